@@ -1,0 +1,160 @@
+"""Native Llama-family decoders: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
+
+One implementation serves all four; the differences are two flags read from the class. Weights
+load from HF checkpoints, with q/k/v and gate/up fused into single matmuls.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from hookllm.layers import Attention, RMSNorm, SiluAndMul, get_rope
+from hookllm.layers.linear import MergedLinear
+from hookllm.model_loader import load_weights_into
+
+
+def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(base, scaling) from either config style: transformers 5 ``rope_parameters`` or 4.x fields."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return base, params
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        base, scaling = rope_settings(config)
+        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, base, scaling)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.contiguous()))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: Any):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedLinear(
+            config.hidden_size, {"gate": config.intermediate_size, "up": config.intermediate_size}, bias=bias
+        )
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = DecoderAttention(config, qkv_bias, qk_norm)
+        self.mlp = DecoderMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder; subclasses switch on Qwen2's qkv bias and Qwen3's per-head q/k RMSNorm."""
+
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+        qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
+        self.model = DecoderModel(config, qkv_bias, self.qk_norm)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        load_weights_into(
+            self,
+            weights,
+            stacked=[
+                (".qkv_proj", ".q_proj", "q"),
+                (".qkv_proj", ".k_proj", "k"),
+                (".qkv_proj", ".v_proj", "v"),
+                (".gate_up_proj", ".gate_proj", "gate"),
+                (".gate_up_proj", ".up_proj", "up"),
+            ],
+            # Old checkpoints carry rotary tables; tied ones may still save a copy of lm_head.
+            skip=lambda name: "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"),
+        )
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,11 @@
+"""hookllm: a vLLM-style LLM inference engine whose model support is made of pluggy plugins."""
+
+from hookllm.plugins.hookspecs import hookimpl
+from hookllm.sampling_params import SamplingParams
+from hookllm.outputs import CompletionOutput, RequestOutput
+from hookllm.config import EngineConfig
+from hookllm.engine import LLMEngine
+from hookllm.llm import LLM
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "hookimpl"]

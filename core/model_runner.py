@@ -1,0 +1,151 @@
+"""Turns a SchedulerOutput into flat model inputs, runs the model, and samples.
+
+The per-step path: build inputs on the host in bulk (numpy), copy them once, let plugins adjust
+them (``prepare_inputs``), run the model under the attention metadata, compute logits only for
+rows that sample, then ``process_logits`` and ``sample``. The sampled token ids are the one
+value read back from the device each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+import torch
+from torch import nn
+
+from hookllm.forward_context import AttentionMetadata, set_forward_context
+from hookllm.plugins.manager import HookCaller
+from hookllm.scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelInputs:
+    """The flat batch of one step; ``prepare_inputs`` hooks may change it in place."""
+
+    input_ids: torch.Tensor  # [num_tokens] long
+    positions: torch.Tensor  # [num_tokens] long
+    slot_mapping: torch.Tensor  # [num_tokens] long
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    logits_indices: torch.Tensor  # [num_sampling_rows] long: rows whose hidden state is sampled
+    query_start: list[int]  # host copy of query_start_loc, for hooks
+    max_query_len: int
+    max_seq_len: int
+    inputs_embeds: torch.Tensor | None = None  # [num_tokens, hidden]: replaces input_ids if set
+
+
+@dataclass
+class StepOutput:
+    sampled_token_ids: list[int]  # one per batch.sampling_requests
+    logprobs: list[dict[int, float] | None]
+
+
+class SamplerContractError(RuntimeError):
+    pass
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, hooks: HookCaller, device: torch.device, block_size: int,
+                 attention_backend: ModuleType):
+        self.model = model
+        self.hooks = hooks
+        self.device = device
+        self.block_size = block_size
+        self.attention_backend = attention_backend
+
+    def build_inputs(self, batch: SchedulerOutput) -> ModelInputs:
+        counts = np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
+        starts = np.asarray([r.num_computed_tokens for r in batch.requests], dtype=np.int64)
+        query_start = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start[1:])
+        seq_lens = starts + counts
+        num_tokens = int(query_start[-1])
+        # positions: for each request, start .. start + count - 1, laid out flat.
+        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start[:-1] - starts, counts)
+        input_ids = np.concatenate([
+            np.asarray(r.all_token_ids[s:s + n], dtype=np.int64)
+            for r, s, n in zip(batch.requests, starts.tolist(), counts.tolist())
+        ])
+        max_blocks = max(len(r.block_ids) for r in batch.requests)
+        block_tables = np.zeros((len(counts), max_blocks), dtype=np.int32)
+        for row, request in enumerate(batch.requests):
+            block_tables[row, :len(request.block_ids)] = request.block_ids
+        token_rows = np.repeat(np.arange(len(counts)), counts)
+        slot_mapping = (block_tables[token_rows, positions // self.block_size].astype(np.int64)
+                        * self.block_size + positions % self.block_size)
+        sampling = starts + counts == np.asarray([r.num_tokens for r in batch.requests])
+        logits_indices = query_start[1:][sampling] - 1
+
+        def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            tensor = torch.from_numpy(array).to(dtype)
+            if self.device.type == "cuda":
+                tensor = tensor.pin_memory().to(self.device, non_blocking=True)
+            return tensor
+
+        return ModelInputs(
+            input_ids=to_device(input_ids, torch.long),
+            positions=to_device(positions, torch.long),
+            slot_mapping=to_device(slot_mapping, torch.long),
+            block_tables=to_device(block_tables, torch.int32),
+            seq_lens=to_device(seq_lens, torch.int32),
+            query_start_loc=to_device(query_start, torch.int32),
+            logits_indices=to_device(logits_indices, torch.long),
+            query_start=query_start.tolist(),
+            max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> StepOutput:
+        inputs = self.build_inputs(batch)
+        self.hooks.hook.prepare_inputs(batch=batch, inputs=inputs, model=self.model)
+        metadata = AttentionMetadata(
+            slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables, seq_lens=inputs.seq_lens,
+            query_start_loc=inputs.query_start_loc, max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len, backend=self.attention_backend,
+        )
+        with set_forward_context(metadata):
+            hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.inputs_embeds)
+        if inputs.logits_indices.numel() == 0:
+            return StepOutput([], [])
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices]).float()
+        self.hooks.hook.process_logits(logits=logits, batch=batch)
+        sampled, plugin = self.hooks.call_first("sample", logits=logits, batch=batch)
+        self._check_sampled(sampled, plugin, logits.shape[0])
+        token_ids = sampled.tolist()
+        return StepOutput(token_ids, self._logprobs(logits, batch, sampled))
+
+    @staticmethod
+    def _check_sampled(sampled: object, plugin: str | None, num_rows: int) -> None:
+        if plugin is None:
+            raise SamplerContractError("no plugin implements the sample hook")
+        if not isinstance(sampled, torch.Tensor) or sampled.dtype != torch.long or sampled.shape != (num_rows,):
+            got = (f"tensor of dtype {sampled.dtype} and shape {tuple(sampled.shape)}"
+                   if isinstance(sampled, torch.Tensor) else type(sampled).__name__)
+            raise SamplerContractError(
+                f"plugin {plugin!r}: the sample hook must return a 1-D torch.long tensor of "
+                f"{num_rows} token ids (one per logits row), got {got}"
+            )
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, batch: SchedulerOutput, sampled: torch.Tensor) -> list[dict[int, float] | None]:
+        """The sampled token's logprob plus the top-n, from the processed logits, where asked."""
+        wanted = [r.sampling_params.logprobs for r in batch.sampling_requests]
+        if all(n is None for n in wanted):
+            return [None] * len(wanted)
+        logprobs = logits.log_softmax(dim=-1)
+        top_n = max(n for n in wanted if n is not None)
+        top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
+        chosen = logprobs.gather(1, sampled[:, None]).squeeze(1).tolist()
+        result: list[dict[int, float] | None] = []
+        for row, n in enumerate(wanted):
+            if n is None:
+                result.append(None)
+                continue
+            entry = {int(t): float(v) for t, v in zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist())} if n else {}
+            entry[int(sampled[row])] = chosen[row]
+            result.append(entry)
+        return result

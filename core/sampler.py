@@ -1,0 +1,67 @@
+"""The default sampler: greedy, temperature, top-k, top-p and min-p, batched over requests.
+
+Every row is sampled the same way (exponential-race sampling: ``argmax(probs / q)`` with
+``q ~ Exp(1)``, which draws from ``probs``); the only per-request Python work is drawing ``q``
+for requests that carry their own seed, from their own generator.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from hookllm.request import Request
+
+
+def _as_tensor(values: list, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(like.device, non_blocking=True)
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, nucleus top-p and min-p sets.
+
+    ``top_k`` <= 0 disables top-k for that row; ``top_p`` = 1 and ``min_p`` = 0 disable theirs.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    remove = ranks >= k[:, None]
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    remove |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    remove |= sorted_probs < (min_p[:, None] * sorted_probs[:, :1])
+    remove[:, 0] = False  # the most likely token always stays
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def sample(logits: torch.Tensor, requests: Sequence[Request], generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row of ``logits`` for the matching request in ``requests``."""
+    params = [r.sampling_params for r in requests]
+    greedy = logits.argmax(dim=-1)
+    if all(p.temperature == 0.0 for p in params):
+        return greedy
+    temperature = _as_tensor([p.temperature or 1.0 for p in params], logits, logits.dtype)
+    logits = logits / temperature[:, None]
+    needs_filter = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+    if needs_filter:
+        logits = apply_top_k_top_p_min_p(
+            logits,
+            _as_tensor([p.top_k for p in params], logits, torch.long),
+            _as_tensor([p.top_p for p in params], logits, logits.dtype),
+            _as_tensor([p.min_p for p in params], logits, logits.dtype),
+        )
+    probs = logits.softmax(dim=-1)
+    q = torch.empty_like(probs).exponential_(generator=generator)
+    for row, request in enumerate(requests):
+        if request.generator is not None:
+            # Drawn on the CPU, so a seed gives the same tokens on every device.
+            q[row] = torch.empty(q.shape[-1]).exponential_(generator=request.generator).to(q.device)
+    sampled = probs.div_(q).argmax(dim=-1)
+    is_greedy = _as_tensor([p.temperature == 0.0 for p in params], logits, torch.bool)
+    return torch.where(is_greedy, greedy, sampled)

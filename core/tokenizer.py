@@ -1,0 +1,47 @@
+"""Loading the checkpoint's tokenizer and detokenizing outputs incrementally."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(path: str) -> Any | None:
+    """The HF tokenizer in ``path``, or None for a checkpoint without tokenizer files."""
+    if not any((Path(path) / name).exists() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class IncrementalDetokenizer:
+    """Appends the text of each new token without re-decoding the whole output.
+
+    Decodes a short window of trailing tokens and emits only the new suffix, holding text back
+    while it ends in an incomplete UTF-8 sequence (U+FFFD), as byte-level BPE can split a
+    character across tokens.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids = list(prompt_token_ids[-6:])  # context so the first word's spacing is right
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """The text that token adds (possibly empty until a character completes)."""
+        self.token_ids.append(token_id)
+        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+            return full[len(prefix):]
+        return ""

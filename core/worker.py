@@ -1,0 +1,106 @@
+"""The worker: one device, the model on it, its paged KV cache and the model runner.
+
+Everything it needs comes from the ``EngineConfig`` (plugins by name included), so a worker
+can be rebuilt from that config in another process.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hookllm.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from hookllm.kernels import get_attention_backend, resolve_attention_backend
+from hookllm.layers.attention import Attention
+from hookllm.model_runner import ModelRunner, StepOutput
+from hookllm.plugins.manager import HookCaller
+from hookllm.registry import ModelRegistry
+from hookllm.scheduler import SchedulerOutput
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, hooks: HookCaller, registry: ModelRegistry):
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config.device)
+        self.dtype = model_config.dtype
+        self.hooks = hooks
+        backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.attention_backend = get_attention_backend(backend)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        model, plugin = hooks.call_first(
+            "load_model", model_config=model_config, device=self.device, dtype=self.dtype, registry=registry
+        )
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"plugin {plugin!r}: load_model must return a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        if not self.attention_layers:
+            raise ValueError(f"{type(model).__name__} has no hookllm.layers.Attention layer to hold a KV cache")
+        self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory()
+        self._allocate_kv_cache(self.num_kv_blocks)
+        self.runner = ModelRunner(model, hooks, self.device, config.block_size, self.attention_backend)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block summed over layers (K and V)."""
+        per_token = sum(2 * a.num_kv_heads * a.head_dim for a in self.attention_layers)
+        return per_token * self.config.block_size * torch.empty(0, dtype=self.dtype).element_size()
+
+    def _blocks_from_memory(self) -> int:
+        if self.device.type != "cuda":
+            return max(1, self.config.cpu_kv_cache_bytes // self.block_bytes)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Peak activation memory isn't known without a profiling forward; the model's weights
+        # are already resident, so leave room for activations at the largest batch.
+        torch.cuda.synchronize(self.device)
+        used_now = total - free
+        activation_reserve = self._profile_activation_bytes()
+        budget = total * self.config.gpu_memory_utilization - used_now - activation_reserve
+        if budget < self.block_bytes:
+            raise ValueError(
+                f"no GPU memory left for the KV cache: {used_now / 2**30:.1f} GiB in use, "
+                f"{activation_reserve / 2**30:.1f} GiB for activations, gpu_memory_utilization="
+                f"{self.config.gpu_memory_utilization}"
+            )
+        return int(budget // self.block_bytes)
+
+    def _profile_activation_bytes(self) -> int:
+        """Peak extra memory of a forward pass at the largest batch (max_num_batched_tokens)."""
+        num_tokens = min(self.config.max_num_batched_tokens, self.model_config.max_model_len * self.config.max_num_seqs)
+        block_size = self.config.block_size
+        num_blocks = -(-num_tokens // block_size)
+        self._allocate_kv_cache(num_blocks)
+        from hookllm.forward_context import AttentionMetadata, set_forward_context
+
+        # One long sequence covering the batch: the same activation shapes as any mix of that size.
+        metadata = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            max_query_len=num_tokens, max_seq_len=num_tokens, backend=self.attention_backend,
+        )
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        with torch.inference_mode(), set_forward_context(metadata):
+            ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            hidden = self.model(ids, torch.arange(num_tokens, device=self.device) % self.model_config.max_model_len)
+            self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self._allocate_kv_cache(0)
+        torch.cuda.empty_cache()
+        return peak
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        """One K and one V tensor per layer, [num_blocks, block_size, num_kv_heads, head_dim]."""
+        for layer in self.attention_layers:
+            shape = (num_blocks, self.config.block_size, layer.num_kv_heads, layer.head_dim)
+            layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def execute(self, batch: SchedulerOutput) -> StepOutput:
+        return self.runner.execute(batch)

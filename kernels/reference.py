@@ -1,0 +1,75 @@
+"""Pure-torch references for the paged-attention kernels.
+
+These are the CPU backend of the paged ``Attention`` layer and the ground truth the Triton
+kernels in ``hookllm.kernels.triton_attention`` are tested against; each function here has the
+same signature as its Triton twin.
+
+Cache layout (one tensor per layer and per K/V): ``[num_blocks, block_size, num_kv_heads,
+head_dim]``. Token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at
+offset ``t % block_size``; its flat slot is ``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int, -1 = do not store (padding)
+) -> None:
+    """Write each new token's K and V into its slot of the paged cache, in place."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32: context length including this step's tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32: cumulative query lengths
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a mixed batch (prefill chunks and decodes) over the paged cache.
+
+    Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; these are its
+    last ``q_len`` tokens, so query row ``j`` sits at position ``seq_len - q_len + j`` and sees
+    cache positions ``0..that position``. The new tokens' K/V must already be stored. Query
+    heads are grouped onto KV heads (GQA): head ``h`` reads KV head ``h // (num_heads //
+    num_kv_heads)``. Softmax runs in fp32; the output has the query's dtype.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_blocks = (seq_len + block_size - 1) // block_size
+        blocks = block_tables[i, :num_blocks].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        q = query[q_start:q_end].float().transpose(0, 1)  # [H, q_len, D]
+        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, seq_len, D]
+        v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q_len, seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)
+    return out

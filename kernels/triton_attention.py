@@ -1,0 +1,401 @@
+"""Triton kernels for the paged KV cache: ``store_kv`` and ``paged_attention``.
+
+Same signatures and semantics as :mod:`hookllm.kernels.reference` (read it for the cache
+layout). One attention kernel serves prefill chunks, decodes and mixed batches:
+
+* A program owns one block of ``BLOCK_M`` query tokens of one sequence and one KV head. Its
+  query tile stacks the ``group`` query heads that share that KV head, ``[BLOCK_M * group,
+  head_dim]`` rows, so every KV tile is read once per KV head (GQA) and fed to tensor cores.
+* KV tiles of ``BLOCK_N`` keys are gathered through the block table independently of the
+  cache's ``block_size``; tiles that lie wholly before the diagonal skip the causal mask.
+* Softmax is online (flash-attention style) in fp32, in base 2 with the scale folded in.
+* Split-K (flash-decoding): when a decode-only batch has too few (sequence, KV head) pairs
+  to fill the GPU, each pair's keys are cut into ``num_splits`` ranges handled by separate
+  programs that write partial results; a second kernel merges them.
+
+Nothing here reads device tensors on the host: grid sizes come from tensor shapes and the
+python ints ``max_query_len`` / ``max_seq_len``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Split-K: aim for this many programs per SM, never give a split fewer than MIN_SPLIT_TOKENS keys.
+TARGET_PROGRAMS_PER_SM = 2
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+# Decided when the kernels below are defined, as triton.jit itself decides it.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    num_kv_heads,
+    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    stride_kcb, stride_kct, stride_kch, stride_kcd,
+    stride_vcb, stride_vct, stride_vch, stride_vcd,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    mask = h < num_kv_heads
+    k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
+    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kct + h * stride_kch + d * stride_kcd
+    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vct + h * stride_vch + d * stride_vcd
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each new token's K and V into its slot of the paged cache, in place (-1 = skip)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        num_kv_heads,
+        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+    )
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, block_idx, num_seqs, BLOCK_M: tl.constexpr):
+    """The sequence owning query block ``block_idx``; sequence i's blocks start at
+    ``query_start_loc[i] // BLOCK_M + i`` (an upper bound that needs no prefix sum)."""
+    lo = tl.full((), 0, tl.int32)
+    hi = lo + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid
+        if first_block < block_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tiles(
+    acc, l_i, m_i, q, q_pos,
+    k_base, v_base, block_table_row, lo, hi, kv_end, qk_scale, offs_d, d_ok,
+    stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+    CAUSAL_MASK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update of (acc, l_i, m_i) over keys ``lo..hi`` in tiles of BLOCK_N.
+
+    With CAUSAL_MASK the tiles may reach past the diagonal or ``kv_end`` and are masked;
+    without it every key in range is visible to every query row."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        if CAUSAL_MASK:
+            in_range = pos < kv_end
+            block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=in_range, other=0)
+            kv_mask = in_range[:, None] & d_ok[None, :]
+        else:
+            block = tl.load(block_table_row + pos // BLOCK_SIZE)
+            kv_mask = d_ok[None, :]
+        block = block.to(tl.int64)
+        slot_in_block = (pos % BLOCK_SIZE)[:, None]
+        k = tl.load(
+            k_base + block[:, None] * stride_kb + slot_in_block * stride_kt + offs_d[None, :] * stride_kd,
+            mask=kv_mask, other=0.0,
+        )
+        v = tl.load(
+            v_base + block[:, None] * stride_vb + slot_in_block * stride_vt + offs_d[None, :] * stride_vd,
+            mask=kv_mask, other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+        if CAUSAL_MASK:
+            s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    num_seqs, num_heads, qk_scale,
+    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    ONE_BLOCK_PER_SEQ: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid: (query blocks, KV heads, splits). Writes the normalised output, or with SPLIT the
+    unnormalised partial sums, running max and denominator of this program's key range."""
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    if ONE_BLOCK_PER_SEQ:
+        seq = pid
+        q_block = 0
+    else:
+        seq = _find_seq(query_start_loc_ptr, pid, num_seqs, BLOCK_M)
+        q_block = pid - (tl.load(query_start_loc_ptr + seq) // BLOCK_M + seq)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    # Row r of the tile is query token r // GROUP_PAD of this block, head r % GROUP_PAD of the group.
+    rows = tl.arange(0, BLOCK_R)
+    tok = q_block * BLOCK_M + rows // GROUP_PAD
+    head = kv_head * GROUP + rows % GROUP_PAD
+    row_ok = (rows // GROUP_PAD < BLOCK_M) & (tok < q_len) & (rows % GROUP_PAD < GROUP)
+    q_pos = context_len + tok
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(
+        q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=io_mask, other=0.0,
+    ).to(DOT_DTYPE)
+
+    # Keys this block attends to: 0..kv_end; before `unmasked_end` no row needs the causal mask.
+    kv_end = context_len + tl.minimum((q_block + 1) * BLOCK_M, q_len)
+    unmasked_end = (context_len + q_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+    if SPLIT:
+        split = tl.program_id(2)
+        split_len = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), tl.num_programs(2)) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, kv_end)
+    else:
+        lo = 0
+        hi = kv_end
+    mid = tl.minimum(tl.maximum(unmasked_end, lo), hi)
+
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    m_i = tl.full([BLOCK_R], -1e30, dtype=tl.float32)  # finite: fully masked rows stay NaN-free
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, block_table_row, lo, mid, kv_end, qk_scale,
+        offs_d, d_ok, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+        False, BLOCK_N, BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, block_table_row, mid, hi, kv_end, qk_scale,
+        offs_d, d_ok, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+        True, BLOCK_N, BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
+    )
+
+    if SPLIT:
+        part = ((q_start + tok) * num_heads + head) * tl.num_programs(2) + split
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=io_mask)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty), mask=io_mask,
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr,
+    num_heads, num_splits,
+    stride_ot, stride_oh, stride_od,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Grid: (tokens, heads). Rescales each split's partial sums to the global max and normalises."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < num_splits
+    part = (token * num_heads + head) * num_splits + splits
+    m = tl.load(part_m_ptr + part, mask=split_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + part, mask=split_ok, other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=split_ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
+        out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM,
+    )
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch parameters of the attention kernel."""
+
+    block_m: int  # query tokens per program (times the GQA group gives the tile's rows)
+    block_n: int  # keys per KV tile
+    num_warps: int
+    num_stages: int
+
+
+def default_config(head_dim: int, group: int, max_query_len: int) -> AttentionConfig:
+    """Tile sizes for a batch shape: one query token per program for decode-only batches
+    (memory-bound: small tiles, many programs), 128-row query tiles for prefill (compute-bound)."""
+    group_pad = triton.next_power_of_2(group)
+    if max_query_len <= 1:
+        return AttentionConfig(block_m=1, block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=3)
+    rows = 128 if head_dim <= 128 else 64
+    block_m = max(1, min(rows // group_pad, triton.next_power_of_2(max_query_len)))
+    big = block_m * group_pad >= 128
+    return AttentionConfig(
+        block_m=block_m,
+        block_n=64 if head_dim <= 128 else 32,
+        num_warps=8 if big else 4,
+        num_stages=3 if head_dim <= 128 else 2,
+    )
+
+
+def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
+    """Operand type of the tensor-core dots: the input's, except bf16 under the Triton
+    interpreter, whose tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584)."""
+    if INTERPRETED and dtype == torch.bfloat16:
+        return tl.float32
+    return _TL_DTYPES[dtype]
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return os.cpu_count() or 1
+
+
+def num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, num_sms: int) -> int:
+    """How many key ranges each (sequence, KV head) is cut into: more than one only for
+    decode-only batches whose programs would leave SMs idle, and only for long contexts."""
+    if max_query_len != 1:
+        return 1
+    programs = max(1, num_seqs * num_kv_heads)
+    splits = min(
+        triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms, programs),
+        max_seq_len // MIN_SPLIT_TOKENS,
+        MAX_SPLITS,
+    )
+    return max(1, splits)
+
+
+def paged_attention_with(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    num_splits: int,
+    config: AttentionConfig,
+) -> torch.Tensor:
+    """``paged_attention`` with an explicit split count and launch config (tests, tuning)."""
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if block_size % 16:
+        raise ValueError(f"block_size must be a multiple of 16, got {block_size}")
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_m = config.block_m
+    one_block_per_seq = max_query_len <= block_m
+    num_q_blocks = num_seqs if one_block_per_seq else num_tokens // block_m + num_seqs
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    split = num_splits > 1
+    if split:
+        part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((num_tokens, num_heads, num_splits, block_d), dtype=torch.float32, device=query.device)
+    else:
+        part_m = part_l = part_acc = out  # unused
+    _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, out, part_acc, part_m, part_l,
+        block_tables, seq_lens, query_start_loc,
+        num_seqs, num_heads, scale * LOG2E,
+        *query.stride(), *out.stride(), *k_cache.stride()[:4], *v_cache.stride()[:4],
+        block_tables.stride(0),
+        GROUP=group, GROUP_PAD=group_pad,
+        BLOCK_M=block_m, BLOCK_R=max(16, block_m * group_pad), BLOCK_N=config.block_n,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        ONE_BLOCK_PER_SEQ=one_block_per_seq, SPLIT=split,
+        DOT_DTYPE=_dot_dtype(query.dtype),
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_acc, part_m, part_l, out, num_heads, num_splits, *out.stride(),
+            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            num_warps=4 if head_dim >= 128 else 2,
+        )
+    return out
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a mixed batch (prefill chunks and decodes) over the paged cache.
+
+    See :func:`hookllm.kernels.reference.paged_attention` for the exact semantics. Picks the
+    split-K path for decode-only batches that would not fill the GPU on their own."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    num_splits = num_kv_splits(
+        seq_lens.shape[0], num_kv_heads, max_query_len, max_seq_len, _num_sms(query.device)
+    )
+    config = default_config(head_dim, num_heads // num_kv_heads, max_query_len)
+    return paged_attention_with(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        max_query_len, scale, num_splits, config,
+    )

@@ -1,0 +1,197 @@
+"""The Triton paged-attention kernels, run on the CPU by the Triton interpreter, against the
+pure-torch reference (hookllm.kernels.reference) on tiny random shapes."""
+
+import os
+
+# The kernels are built as interpreted functions only if this is set when they are defined.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hookllm.kernels import reference  # noqa: E402
+from hookllm.kernels import triton_attention  # noqa: E402
+
+if type(triton_attention._paged_attention_kernel).__name__ != "InterpretedFunction":
+    pytest.skip(
+        "hookllm.kernels.triton_attention was imported before TRITON_INTERPRET=1 was set",
+        allow_module_level=True,
+    )
+
+
+def make_batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> dict:
+    """Random query and paged cache; each sequence's blocks are a random subset of the cache
+    in random order, and unused block-table entries are -1."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.full((len(seq_lens), max(blocks_per_seq)), -1, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_tables[i, :n] = perm[used : used + n]
+        used += n
+    query_start_loc = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.tensor(q_lens).cumsum(0)
+    return dict(
+        query=torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=query_start_loc,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        scale=head_dim**-0.5,
+    )
+
+
+def assert_matches_reference(batch: dict, out: torch.Tensor, atol: float = 1e-5) -> None:
+    expected = reference.paged_attention(**batch)
+    assert not out.isnan().any(), "some output rows were never written"
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=atol)
+
+
+def run_with(batch: dict, num_splits: int = 1, config: triton_attention.AttentionConfig | None = None) -> torch.Tensor:
+    """The kernels with an explicit split count and (default: the automatic) launch config."""
+    if config is None:
+        num_heads, head_dim = batch["query"].shape[1:]
+        group = num_heads // batch["k_cache"].shape[2]
+        config = triton_attention.default_config(head_dim, group, batch["max_query_len"])
+    args = {k: v for k, v in batch.items() if k != "max_seq_len"}
+    return triton_attention.paged_attention_with(**args, num_splits=num_splits, config=config)
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(monkeypatch):
+    """Outputs start as NaN instead of whatever memory torch.empty returns."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(triton_attention.torch, "empty", nan_empty)
+
+
+def test_store_kv_writes_slots_and_skips_negative_ones():
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, block_size, num_kv_heads, head_dim = 4, 16, 3, 8
+    key = torch.randn(5, num_kv_heads, head_dim, generator=gen)
+    value = torch.randn(5, num_kv_heads, head_dim, generator=gen)
+    slots = torch.tensor([17, -1, 0, 63, -1], dtype=torch.int32)
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    triton_attention.store_kv(key, value, k_cache, v_cache, slots)
+    reference.store_kv(key, value, k_ref, v_ref, slots)
+    torch.testing.assert_close(k_cache, k_ref, equal_nan=True)
+    torch.testing.assert_close(v_cache, v_ref, equal_nan=True)
+    assert k_cache.view(-1, num_kv_heads, head_dim).isnan().all(-1).all(-1).sum() == num_blocks * block_size - 3
+
+
+def test_store_kv_casts_to_the_cache_dtype():
+    key = torch.randn(2, 2, 16)
+    value = torch.randn(2, 2, 16)
+    k_cache = torch.zeros(1, 16, 2, 16, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    triton_attention.store_kv(key, value, k_cache, v_cache, torch.tensor([3, 5]))
+    torch.testing.assert_close(k_cache[0, [3, 5]], key.to(torch.bfloat16))
+    torch.testing.assert_close(v_cache[0, [3, 5]], value.to(torch.bfloat16))
+
+
+def test_prefill_chunk_starting_mid_block_after_cached_context():
+    batch = make_batch(q_lens=[13], seq_lens=[13 + 21])  # context 21: chunk starts at offset 5 of block 1
+    assert_matches_reference(batch, triton_attention.paged_attention(**batch))
+
+
+def test_prefill_from_empty_context():
+    batch = make_batch(q_lens=[40], seq_lens=[40])
+    assert_matches_reference(batch, triton_attention.paged_attention(**batch))
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_gqa_query_heads_share_kv_heads(group):
+    batch = make_batch(q_lens=[5, 1], seq_lens=[37, 20], num_heads=2 * group, num_kv_heads=2)
+    assert_matches_reference(batch, triton_attention.paged_attention(**batch))
+
+
+def test_group_that_is_not_a_power_of_two():
+    batch = make_batch(q_lens=[9, 1], seq_lens=[30, 18], num_heads=6, num_kv_heads=2)
+    assert_matches_reference(batch, triton_attention.paged_attention(**batch))
+
+
+def test_sequence_spanning_many_blocks_with_shuffled_block_table():
+    batch = make_batch(q_lens=[3], seq_lens=[16 * 23 + 7])
+    assert_matches_reference(batch, triton_attention.paged_attention(**batch))
+
+
+def test_mixed_batch_of_prefill_chunks_and_decodes():
+    batch = make_batch(q_lens=[1, 33, 1, 7, 0, 1], seq_lens=[45, 33, 1, 70, 12, 16])
+    assert_matches_reference(batch, triton_attention.paged_attention(**batch))
+
+
+@pytest.mark.parametrize("block_m", [2, 4])
+def test_prefill_chunks_spread_over_several_query_blocks(block_m):
+    # Small tiles so that each chunk needs several programs; the diagonal crosses key tiles.
+    config = triton_attention.AttentionConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
+    batch = make_batch(q_lens=[1, 11, 0, 5, 1, 9], seq_lens=[9, 30, 4, 5, 40, 27])
+    assert_matches_reference(batch, run_with(batch, config=config))
+
+
+def test_decode_only_batch():
+    batch = make_batch(q_lens=[1, 1, 1, 1], seq_lens=[1, 17, 63, 64], head_dim=16)
+    assert_matches_reference(batch, triton_attention.paged_attention(**batch))
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_k_decode_matches_reference(num_splits):
+    # 5 splits of a 150-key sequence leave some splits empty: they must not disturb the merge.
+    batch = make_batch(q_lens=[1, 1, 1], seq_lens=[150, 33, 3], num_heads=8, num_kv_heads=2)
+    assert_matches_reference(batch, run_with(batch, num_splits))
+
+
+def test_split_k_is_chosen_only_for_long_decodes_that_underfill_the_gpu():
+    sms = 132
+    assert triton_attention.num_kv_splits(1, 8, 1, 8192, sms) > 1
+    assert triton_attention.num_kv_splits(256, 8, 1, 8192, sms) == 1  # enough programs already
+    assert triton_attention.num_kv_splits(1, 8, 1, 200, sms) == 1  # context too short to split
+    assert triton_attention.num_kv_splits(1, 8, 16, 8192, sms) == 1  # not decode-only
+
+
+def test_block_size_32_with_head_dim_64():
+    batch = make_batch(q_lens=[19, 1], seq_lens=[50, 75], head_dim=64, block_size=32)
+    assert_matches_reference(batch, triton_attention.paged_attention(**batch))
+
+
+def test_head_dim_smaller_than_the_dot_minimum():
+    batch = make_batch(q_lens=[4, 1], seq_lens=[20, 9], head_dim=8)
+    assert_matches_reference(batch, triton_attention.paged_attention(**batch))
+
+
+def test_strided_query_view_of_a_fused_qkv_tensor():
+    batch = make_batch(q_lens=[6, 1], seq_lens=[22, 40])
+    qkv = torch.randn(7, 4 + 2 + 2, 32)
+    qkv[:, :4] = batch["query"]
+    batch["query"] = qkv[:, :4]
+    assert not batch["query"].is_contiguous()
+    assert_matches_reference(batch, triton_attention.paged_attention(**batch))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(dtype):
+    batch = make_batch(q_lens=[5, 1], seq_lens=[27, 40], dtype=dtype)
+    out = triton_attention.paged_attention(**batch)
+    assert out.dtype == dtype
+    assert_matches_reference(batch, out, atol=2e-2)
