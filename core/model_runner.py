@@ -99,7 +99,8 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> StepOutput:
+    def forward(self, batch: SchedulerOutput) -> tuple[torch.Tensor, ModelInputs]:
+        """Build the inputs, let plugins adjust them, run the model: hidden states of every row."""
         inputs = self.build_inputs(batch)
         self.hooks.hook.prepare_inputs(batch=batch, inputs=inputs, model=self.model)
         metadata = AttentionMetadata(
@@ -109,6 +110,11 @@ class ModelRunner:
         )
         with set_forward_context(metadata):
             hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.inputs_embeds)
+        return hidden_states, inputs
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> StepOutput:
+        hidden_states, inputs = self.forward(batch)
         if inputs.logits_indices.numel() == 0:
             return StepOutput([], [])
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices]).float()

