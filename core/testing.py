@@ -71,9 +71,11 @@ def prompt_logits(llm: LLM, prompt_token_ids: list[int]) -> torch.Tensor:
 def reference_greedy(model: Any, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy continuation, ignoring EOS."""
     with torch.inference_mode():
+        ids = torch.tensor([prompt_token_ids])
+        # An explicit mask: otherwise transformers masks prompt tokens equal to the pad id.
         out = model.generate(
-            torch.tensor([prompt_token_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-            do_sample=False, eos_token_id=None, pad_token_id=0,
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
         )
     return out[0, len(prompt_token_ids):].tolist()
 
@@ -129,3 +131,33 @@ def assert_adapter_matches_transformers(
                 max_num_batched_tokens=16, num_kv_blocks=8, **llm_kwargs)
     assert_batch_invariant(tight, random_prompts(12, vocab, max_len=30, seed=2), max_tokens)
     return llm
+
+
+TOKENIZER_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France, and Berlin is the capital of Germany.",
+    "A paged KV cache stores keys and values in fixed-size blocks.",
+    "Continuous batching mixes prefill chunks and decode tokens in one step.",
+]
+
+
+def build_tiny_tokenizer(path: str | Path, vocab_size: int = 320, special_tokens: Sequence[str] = ()) -> Any:
+    """Train a byte-level BPE tokenizer offline and ``save_pretrained`` it into ``path``.
+
+    Its ids stay below ``vocab_size``; ``<s>`` (id 0) is BOS and ``</s>`` (id 1) EOS, and
+    ``special_tokens`` (e.g. ``"<image>"``) are added after them.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", *special_tokens]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(TOKENIZER_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(path))
+    return fast

@@ -88,8 +88,8 @@ def store_kv(
 def _find_seq(query_start_loc_ptr, block_idx, num_seqs, BLOCK_M: tl.constexpr):
     """The sequence owning query block ``block_idx``; sequence i's blocks start at
     ``query_start_loc[i] // BLOCK_M + i`` (an upper bound that needs no prefix sum)."""
-    lo = tl.full((), 0, tl.int32)
-    hi = lo + num_seqs
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid
@@ -162,12 +162,13 @@ def _paged_attention_kernel(
 ):
     """Grid: (query blocks, KV heads, splits). Writes the normalised output, or with SPLIT the
     unnormalised partial sums, running max and denominator of this program's key range."""
-    pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     if ONE_BLOCK_PER_SEQ:
-        seq = pid
+        seq = tl.program_id(0)
         q_block = 0
     else:
+        # Last blocks first: a sequence's later query blocks see more keys, so start them early.
+        pid = tl.num_programs(0) - 1 - tl.program_id(0)
         seq = _find_seq(query_start_loc_ptr, pid, num_seqs, BLOCK_M)
         q_block = pid - (tl.load(query_start_loc_ptr + seq) // BLOCK_M + seq)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -295,7 +296,8 @@ def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the CPU count elsewhere), cached."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return os.cpu_count() or 1
@@ -392,7 +394,7 @@ def paged_attention(
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     num_splits = num_kv_splits(
-        seq_lens.shape[0], num_kv_heads, max_query_len, max_seq_len, _num_sms(query.device)
+        seq_lens.shape[0], num_kv_heads, max_query_len, max_seq_len, num_sms(query.device)
     )
     config = default_config(head_dim, num_heads // num_kv_heads, max_query_len)
     return paged_attention_with(

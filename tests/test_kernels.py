@@ -1,22 +1,46 @@
 """The Triton paged-attention kernels, run on the CPU by the Triton interpreter, against the
-pure-torch reference (hookllm.kernels.reference) on tiny random shapes."""
+pure-torch reference (hookllm.kernels.reference) on tiny random shapes.
+
+The interpreter is chosen when triton is imported, so TRITON_INTERPRET=1 must be set before
+anything imports it. If something did first (a conftest importing the engine), the tests here
+skip and one test reruns this file in a fresh process that sets it."""
 
 import os
 
-# The kernels are built as interpreted functions only if this is set when they are defined.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from hookllm.kernels import reference  # noqa: E402
 from hookllm.kernels import triton_attention  # noqa: E402
 
-if type(triton_attention._paged_attention_kernel).__name__ != "InterpretedFunction":
-    pytest.skip(
-        "hookllm.kernels.triton_attention was imported before TRITON_INTERPRET=1 was set",
-        allow_module_level=True,
+INTERPRETED = all(
+    type(fn).__name__ == "InterpretedFunction" for fn in (tl.zeros, triton_attention._paged_attention_kernel)
+)
+FRESH_PROCESS_TEST = "test_kernels_run_under_the_interpreter_in_a_fresh_process"
+
+
+@pytest.fixture(autouse=True)
+def only_under_the_interpreter(request):
+    if not INTERPRETED and request.node.name != FRESH_PROCESS_TEST:
+        pytest.skip(f"triton was imported before TRITON_INTERPRET=1; {FRESH_PROCESS_TEST} runs this")
+
+
+def test_kernels_run_under_the_interpreter_in_a_fresh_process():
+    if INTERPRETED:
+        pytest.skip("the kernels run under the interpreter in this process")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "--noconftest", "-p", "no:cacheprovider"],
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
     )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 
 def make_batch(

@@ -1,0 +1,159 @@
+"""The Triton paged-attention kernels on CUDA at bf16, at realistic sizes, against the
+pure-torch reference run in float64: relative error ||out - ref|| / ||ref|| < 1e-2."""
+
+import pytest
+import torch
+
+from hookllm.kernels import reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+if torch.cuda.is_available():
+    from hookllm.kernels import triton_attention
+
+DEVICE = "cuda"
+BF16 = torch.bfloat16
+
+
+def make_batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int = 32,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    block_size: int = 16,
+    dtype: torch.dtype = BF16,
+) -> dict:
+    """Fresh random query and paged cache with shuffled block tables (unused entries -1)."""
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 7
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    perm = torch.randperm(num_blocks, device=DEVICE).to(torch.int32)
+    block_tables = torch.full((len(seq_lens), max(blocks_per_seq)), -1, dtype=torch.int32, device=DEVICE)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_tables[i, :n] = perm[used : used + n]
+        used += n
+    query_start_loc = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device=DEVICE)
+    query_start_loc[1:] = torch.tensor(q_lens, device=DEVICE).cumsum(0)
+    return dict(
+        query=torch.randn(sum(q_lens), num_heads, head_dim, device=DEVICE).to(dtype),
+        k_cache=torch.randn(shape, device=DEVICE).to(dtype),
+        v_cache=torch.randn(shape, device=DEVICE).to(dtype),
+        block_tables=block_tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        query_start_loc=query_start_loc,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        scale=head_dim**-0.5,
+    )
+
+
+def reference_fp64(batch: dict) -> torch.Tensor:
+    as64 = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+    return reference.paged_attention(**as64)
+
+
+def assert_close_to_reference(batch: dict, out: torch.Tensor, tol: float = 1e-2) -> None:
+    expected = reference_fp64(batch)
+    assert out.dtype == batch["query"].dtype
+    assert not out.isnan().any(), "some output rows were never written"
+    rel = (out.double() - expected).norm() / expected.norm()
+    assert rel < tol, f"relative error {rel:.3e}"
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(monkeypatch):
+    """Outputs and split-K partials start as NaN instead of whatever torch.empty returns."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def test_store_kv_writes_slots_and_skips_negative_ones():
+    num_blocks, block_size, num_kv_heads, head_dim = 64, 16, 8, 128
+    key = torch.randn(300, num_kv_heads, head_dim, device=DEVICE).to(BF16)
+    value = torch.randn_like(key)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:300].to(torch.int32)
+    slots[::7] = -1
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=BF16, device=DEVICE)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    triton_attention.store_kv(key, value, k_cache, v_cache, slots)
+    reference.store_kv(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k_cache.isnan(), k_ref.isnan())
+    torch.testing.assert_close(k_cache, k_ref, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, v_ref, equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_chunk_starting_mid_block_after_cached_context(head_dim):
+    batch = make_batch(q_lens=[777], seq_lens=[3001 + 777], head_dim=head_dim)
+    assert_close_to_reference(batch, triton_attention.paged_attention(**batch))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_from_empty_context(head_dim):
+    batch = make_batch(q_lens=[2048, 300], seq_lens=[2048, 300], head_dim=head_dim)
+    assert_close_to_reference(batch, triton_attention.paged_attention(**batch))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 16), (32, 8), (32, 4)])
+def test_gqa_query_heads_share_kv_heads(num_heads, num_kv_heads):
+    batch = make_batch(
+        q_lens=[300, 1, 1], seq_lens=[1000, 513, 2000], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64
+    )
+    assert_close_to_reference(batch, triton_attention.paged_attention(**batch))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_long_contexts_with_shuffled_block_tables(head_dim):
+    batch = make_batch(q_lens=[1] * 40, seq_lens=[8192, 1, 4097, 333] * 10, head_dim=head_dim)
+    assert_close_to_reference(batch, triton_attention.paged_attention(**batch))
+
+
+def test_mixed_batch_of_prefill_chunks_and_decodes():
+    batch = make_batch(q_lens=[1, 512, 1, 0, 37, 1, 1000], seq_lens=[8000, 512, 17, 64, 4000, 2048, 1500])
+    assert_close_to_reference(batch, triton_attention.paged_attention(**batch))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_split_k_path_for_few_long_decodes(head_dim):
+    batch = make_batch(q_lens=[1, 1], seq_lens=[8192, 5000], head_dim=head_dim)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    assert triton_attention.num_kv_splits(2, 8, 1, 8192, sms) > 1
+    assert_close_to_reference(batch, triton_attention.paged_attention(**batch))
+
+
+@pytest.mark.parametrize("num_splits", [3, 64])
+def test_split_k_with_forced_split_counts(num_splits):
+    batch = make_batch(q_lens=[1, 1, 1], seq_lens=[8192, 100, 2049], head_dim=64)
+    group = 32 // 8
+    config = triton_attention.default_config(64, group, 1)
+    args = {k: v for k, v in batch.items() if k != "max_seq_len"}
+    out = triton_attention.paged_attention_with(**args, num_splits=num_splits, config=config)
+    assert_close_to_reference(batch, out)
+
+
+@pytest.mark.parametrize("head_dim", [32, 256])
+def test_other_head_dims(head_dim):
+    batch = make_batch(q_lens=[200, 1], seq_lens=[700, 1500], head_dim=head_dim)
+    assert_close_to_reference(batch, triton_attention.paged_attention(**batch))
+
+
+def test_block_size_32():
+    batch = make_batch(q_lens=[100, 1], seq_lens=[1234, 3000], block_size=32)
+    assert_close_to_reference(batch, triton_attention.paged_attention(**batch))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_other_dtypes(dtype):
+    batch = make_batch(q_lens=[64, 1], seq_lens=[500, 900], head_dim=64, dtype=dtype)
+    assert_close_to_reference(batch, triton_attention.paged_attention(**batch), tol=1e-2 if dtype != torch.float32 else 1e-5)

@@ -1,0 +1,36 @@
+"""The hookllm command line."""
+
+import pytest
+
+from hookllm import testing
+from hookllm.cli import main
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "generate" in out and "plugins" in out
+
+
+def test_generate_prints_the_greedy_continuation(tiny_llama_dir, capsys):
+    prompt = "Paris is the capital of"
+    expected = testing.LLM(str(tiny_llama_dir), device="cpu").generate(prompt, testing.greedy(8))[0].outputs[0].text
+    assert main(["generate", "--model", str(tiny_llama_dir), "--max-tokens", "8", "--no-chat", "--device", "cpu", prompt]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def test_generate_reports_a_bad_request_as_an_error(tiny_llama_dir, capsys):
+    code = main(["generate", "--model", str(tiny_llama_dir), "--temperature", "-1", "--no-chat", "hi"])
+    assert code == 2 and "temperature must be >= 0" in capsys.readouterr().err
+
+
+def test_plugins_lists_the_bundled_adapters(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "llama" in out and "Qwen3ForCausalLM" in out and "llava" in out
+
+
+def test_default_model_answers_paris(capsys):
+    assert main(["generate", "--max-tokens", "32", "What is the capital of France?"]) == 0
+    assert "Paris" in capsys.readouterr().out

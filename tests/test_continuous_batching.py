@@ -1,0 +1,97 @@
+"""Continuous batching is invisible: chunked prefill, mixed batches and preemption change no token."""
+
+import random
+
+import pytest
+
+from hookllm import testing
+
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(7)
+    return [[rng.randrange(320) for _ in range(rng.randint(2, 70))] for _ in range(34)]
+
+
+@pytest.fixture(scope="module")
+def alone_outputs(tiny_llama_dir, prompts):
+    """Each prompt run by itself in a roomy engine: the reference for every batched run."""
+    llm = testing.LLM(str(tiny_llama_dir), dtype="float32", device="cpu")
+    return [llm.generate({"prompt_token_ids": p}, testing.greedy(MAX_TOKENS))[0].outputs[0].token_ids
+            for p in prompts]
+
+
+def test_tight_engine_chunks_prefills_and_preempts(make_llm, prompts, monkeypatch):
+    llm = make_llm(max_num_batched_tokens=32, num_kv_blocks=12)
+    scheduler = llm.engine.scheduler
+    seen = {"chunked": 0, "preempted": 0, "over_budget": 0}
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        seen["chunked"] += any(r.num_computed_tokens + n < r.num_tokens
+                               for r, n in zip(batch.requests, batch.num_scheduled_tokens))
+        seen["preempted"] += len(batch.preempted)
+        seen["over_budget"] += batch.total_num_tokens > 32
+        return batch
+
+    monkeypatch.setattr(scheduler, "schedule", recording_schedule)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], testing.greedy(MAX_TOKENS))
+    assert seen["chunked"] > 0 and seen["preempted"] > 0 and seen["over_budget"] == 0
+
+
+def test_batched_greedy_equals_each_prompt_alone(make_llm, prompts, alone_outputs):
+    llm = make_llm(max_num_batched_tokens=32, num_kv_blocks=12)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], testing.greedy(MAX_TOKENS))
+    assert [o.outputs[0].token_ids for o in outputs] == alone_outputs
+    testing.assert_all_blocks_free(llm)
+
+
+def test_max_num_seqs_bounds_the_running_batch(make_llm, prompts, alone_outputs):
+    llm = make_llm(max_num_seqs=3)
+    engine = llm.engine
+    ids = [engine.add_request({"prompt_token_ids": p}, testing.greedy(MAX_TOKENS)) for p in prompts[:8]]
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert len(engine.scheduler.running) <= 3
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+    assert [finished[i] for i in ids] == alone_outputs[:8]
+
+
+def test_aborting_midway_frees_blocks_and_leaves_others_unchanged(make_llm, prompts, alone_outputs):
+    llm = make_llm(max_num_batched_tokens=32, num_kv_blocks=12)
+    engine = llm.engine
+    ids = [engine.add_request({"prompt_token_ids": p}, testing.greedy(MAX_TOKENS)) for p in prompts]
+    aborted = set(ids[::3])
+    finished = {}
+    for _ in range(6):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+    for request_id in aborted:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id not in aborted or out.request_id in finished
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+    for request_id, expected in zip(ids, alone_outputs):
+        if request_id not in aborted:
+            assert finished[request_id] == expected
+    testing.assert_all_blocks_free(llm)
+
+
+def test_blocks_are_freed_the_moment_a_request_finishes(make_llm):
+    llm = make_llm(num_kv_blocks=16)
+    engine = llm.engine
+    short = engine.add_request({"prompt_token_ids": [3] * 20}, testing.greedy(1))
+    engine.add_request({"prompt_token_ids": [4] * 20}, testing.greedy(5))
+    outputs = {o.request_id: o for o in engine.step()}
+    assert outputs[short].finished
+    # The finished request's 2 blocks are back; the other still holds its 2.
+    assert engine.block_manager.num_free_blocks == 16 - 2
+    assert short not in engine.requests

@@ -1,0 +1,147 @@
+"""The example plugin packages, pip-installed the way users install them, seen through the CLI and API."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import multiprocessing
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, GPT2Config
+
+from hookllm import LLM, EngineConfig, LLMEngine, SamplingParams, testing
+from hookllm.cli import main
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+PACKAGES = ("hookllm-gpt2", "hookllm-logit-bias")
+PROMPT = [5, 17, 42, 8, 60, 33]
+VOCAB = 96
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed_examples(tmp_path_factory):
+    """``pip install`` the example packages (non-editable, from copies: the build leaves files behind)."""
+    folder = tmp_path_factory.mktemp("examples")
+    paths = [str(shutil.copytree(EXAMPLES / name, folder / name)) for name in PACKAGES]
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run(pip + ["install", "--no-deps", "--no-build-isolation", *paths], check=True)
+    importlib.invalidate_caches()
+    yield
+    subprocess.run(pip + ["uninstall", "-y", *PACKAGES], check=True)
+    for module in ("hookllm_gpt2", "hookllm_gpt2.model", "hookllm_logit_bias"):
+        sys.modules.pop(module, None)
+
+
+@pytest.fixture(autouse=True)
+def all_plugins(monkeypatch):
+    monkeypatch.delenv("HOOKLLM_PLUGINS", raising=False)
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory) -> Path:
+    """A tiny random GPT-2 with a word-level tokenizer (``w0`` ... ``w95``) built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=128,
+                        bos_token_id=None, eos_token_id=None)
+    path = testing.build_tiny_checkpoint(config, tmp_path_factory.mktemp("gpt2"))
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(gpt2_dir):
+    return testing.load_reference(gpt2_dir)
+
+
+def make_llm(path: Path, **kwargs) -> LLM:
+    return LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, **kwargs)
+
+
+def greedy_tokens(llm: LLM, params: SamplingParams) -> list[int]:
+    return llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0].token_ids
+
+
+def test_plugins_table_lists_packages_with_version_hooks_and_architectures(capsys):
+    assert main(["plugins"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert re.search(r"hookllm-gpt2 0\.1\.0\s+register_models\s+GPT2LMHeadModel$", rows["gpt2"])
+    assert re.search(r"hookllm-logit-bias 0\.1\.0\s+process_logits$", rows["logit-bias"])
+
+
+def test_plugins_json_lists_packages_with_version_hooks_and_architectures(capsys):
+    assert main(["plugins", "--json"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows["gpt2"] == {"name": "gpt2", "distribution": "hookllm-gpt2", "version": "0.1.0",
+                            "hooks": ["register_models"], "architectures": ["GPT2LMHeadModel"], "error": None}
+    assert rows["logit-bias"] == {"name": "logit-bias", "distribution": "hookllm-logit-bias", "version": "0.1.0",
+                                  "hooks": ["process_logits"], "architectures": [], "error": None}
+
+
+def test_gpt2_adapter_matches_transformers(gpt2_dir):
+    testing.assert_adapter_matches_transformers(gpt2_dir, plugins=["gpt2"])
+
+
+def test_gpt2_checkpoint_activates_its_adapter_without_selection(gpt2_dir):
+    assert make_llm(gpt2_dir).engine.active_plugins == ["core", "gpt2"]
+
+
+def test_cli_generate_with_gpt2_plugin_prints_transformers_greedy_text(gpt2_dir, reference, capsys):
+    tokenizer = AutoTokenizer.from_pretrained(str(gpt2_dir))
+    prompt = "w5 w17 w42 w8"
+    expected = testing.reference_greedy(reference, tokenizer(prompt)["input_ids"], 8)
+    assert len(set(expected)) > 1
+    argv = ["generate", "--plugin", "gpt2", "--model", str(gpt2_dir), "--no-chat", "--device", "cpu",
+            "--max-tokens", "8", prompt]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.strip() == tokenizer.decode(expected)
+
+
+def test_logit_bias_forces_a_token_when_the_plugin_is_selected(gpt2_dir):
+    llm = make_llm(gpt2_dir, plugins=["logit-bias"])
+    params = SamplingParams(max_tokens=6, temperature=0.0, extra_args={"logit_bias": {7: 100.0}})
+    assert greedy_tokens(llm, params) == [7] * 6
+
+
+def test_banned_token_gives_the_runner_up_token(gpt2_dir, reference):
+    with torch.inference_mode():
+        top2 = reference(torch.tensor([PROMPT])).logits[0, -1].topk(2).indices.tolist()
+    llm = make_llm(gpt2_dir, plugins=["logit-bias"])
+    params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"banned_token_ids": [top2[0]]})
+    assert greedy_tokens(llm, params) == [top2[1]]
+
+
+@pytest.mark.parametrize("plugins, extra_args", [
+    ([], {"logit_bias": {7: 100.0}, "banned_token_ids": [1, 2, 3]}),  # installed but not selected
+    (["logit-bias"], {}),  # selected, but the request asks for nothing
+], ids=["not-selected", "no-extra-args"])
+def test_logit_bias_changes_nothing_unless_selected_and_asked(gpt2_dir, reference, plugins, extra_args):
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, extra_args=extra_args)
+    assert greedy_tokens(make_llm(gpt2_dir, plugins=plugins), params) == testing.reference_greedy(reference, PROMPT, 8)
+
+
+def engine_plugins_and_tokens(config: EngineConfig) -> tuple[list[str], list[int]]:
+    """Build an engine from ``config`` alone (as a worker process does) and run one greedy request."""
+    engine = LLMEngine(config)
+    engine.add_request(PROMPT, SamplingParams(max_tokens=8, temperature=0.0, extra_args={"banned_token_ids": [7]}))
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+    return engine.active_plugins, outputs[0].outputs[0].token_ids
+
+
+def test_spawned_process_rebuilds_the_same_plugins_from_the_engine_config(gpt2_dir):
+    config = EngineConfig(str(gpt2_dir), plugins=["logit-bias"], device="cpu", dtype="float32", num_kv_blocks=16)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        child = pool.apply(engine_plugins_and_tokens, (config,))
+    parent = engine_plugins_and_tokens(config)
+    assert parent == child
+    assert parent[0] == ["core", "logit-bias", "gpt2"] and 7 not in parent[1]

@@ -1,0 +1,89 @@
+"""Scheduler and block manager rules, checked on hand-built requests (no model needed)."""
+
+from hookllm import SamplingParams
+from hookllm.block_manager import BlockManager
+from hookllm.request import Request, RequestStatus
+from hookllm.scheduler import Scheduler
+
+
+def _request(rid: str, prompt_len: int) -> Request:
+    return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=100))
+
+
+def _advance(batch):
+    """What the engine does after a step: count computed tokens, append one sampled token."""
+    for r, n in zip(batch.requests, batch.num_scheduled_tokens):
+        r.num_computed_tokens += n
+    for r in batch.requests:
+        if r.num_computed_tokens == r.num_tokens:
+            r.append_output_token(0)
+
+
+def test_allocation_rounds_up_to_whole_blocks():
+    manager = BlockManager(num_blocks=10, block_size=16)
+    r = _request("a", 17)
+    assert manager.allocate_slots(r, 17) and len(r.block_ids) == 2
+    manager.free(r)
+    assert manager.num_free_blocks == 10 and r.block_ids == []
+
+
+def test_allocation_fails_without_side_effects_when_blocks_run_out():
+    manager = BlockManager(num_blocks=2, block_size=16)
+    r = _request("a", 40)
+    assert not manager.allocate_slots(r, 40)
+    assert r.block_ids == [] and manager.num_free_blocks == 2
+
+
+def test_token_budget_chunks_a_long_prefill():
+    scheduler = Scheduler(BlockManager(64, 16), max_num_seqs=8, max_num_batched_tokens=50)
+    r = _request("a", 120)
+    scheduler.add(r)
+    chunks = []
+    while r.num_computed_tokens < 120:
+        batch = scheduler.schedule()
+        chunks.append(batch.num_scheduled_tokens[0])
+        assert batch.sampling_requests == ([r] if r.num_computed_tokens + chunks[-1] == 120 else [])
+        _advance(batch)
+    assert chunks == [50, 50, 20]
+
+
+def test_decodes_and_a_new_prefill_share_one_batch():
+    scheduler = Scheduler(BlockManager(64, 16), max_num_seqs=8, max_num_batched_tokens=64)
+    a = _request("a", 10)
+    scheduler.add(a)
+    _advance(scheduler.schedule())
+    b = _request("b", 30)
+    scheduler.add(b)
+    batch = scheduler.schedule()
+    assert batch.requests == [a, b] and batch.num_scheduled_tokens == [1, 30]
+
+
+def test_running_out_of_blocks_preempts_the_newest_request():
+    scheduler = Scheduler(BlockManager(4, 16), max_num_seqs=8, max_num_batched_tokens=256)
+    old, new = _request("old", 32), _request("new", 31)
+    scheduler.add(old)
+    scheduler.add(new)
+    _advance(scheduler.schedule())  # 2 + 2 blocks: the cache is full
+    batch = scheduler.schedule()  # old needs a third block for its decode
+    assert batch.preempted == [new] and batch.requests == [old]
+    assert new.status is RequestStatus.WAITING and new.num_computed_tokens == 0 and new.block_ids == []
+    assert scheduler.waiting[0] is new  # requeued first, to be recomputed
+
+
+def test_finishing_frees_blocks_immediately():
+    manager = BlockManager(8, 16)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=256)
+    r = _request("a", 40)
+    scheduler.add(r)
+    scheduler.schedule()
+    assert manager.num_free_blocks == 5
+    scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+    assert manager.num_free_blocks == 8 and not scheduler.has_unfinished()
+
+
+def test_max_num_seqs_leaves_the_rest_waiting():
+    scheduler = Scheduler(BlockManager(64, 16), max_num_seqs=2, max_num_batched_tokens=256)
+    for i in range(4):
+        scheduler.add(_request(str(i), 5))
+    batch = scheduler.schedule()
+    assert [r.request_id for r in batch.requests] == ["0", "1"] and len(scheduler.waiting) == 2
