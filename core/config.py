@@ -92,6 +92,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 1 << 30
     attention_backend: str = "auto"
+    enforce_eager: bool = False  # CUDA only: no CUDA graphs for decode steps
+    max_cuda_graph_batch_size: int = 512
     seed: int = 0
     tokenizer: str | None = None
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hookllm.cuda_graph import CudaGraphRunner
 from hookllm.forward_context import AttentionMetadata, set_forward_context
 from hookllm.plugins.manager import HookCaller
 from hookllm.scheduler import SchedulerOutput
@@ -55,6 +56,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.attention_backend = attention_backend
+        self.cuda_graphs: CudaGraphRunner | None = None  # set by the worker unless enforce_eager
 
     def build_inputs(self, batch: SchedulerOutput) -> ModelInputs:
         counts = np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
@@ -108,6 +110,12 @@ class ModelRunner:
             query_start_loc=inputs.query_start_loc, max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len, backend=self.attention_backend,
         )
+        graphs = self.cuda_graphs
+        if (graphs is not None and inputs.inputs_embeds is None
+                and graphs.can_run(len(batch.requests), inputs.max_query_len, inputs.block_tables.shape[1])):
+            hidden_states = graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping,
+                                       inputs.block_tables, inputs.seq_lens)
+            return hidden_states, inputs
         with set_forward_context(metadata):
             hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.inputs_embeds)
         return hidden_states, inputs

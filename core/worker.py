@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hookllm.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from hookllm.config import EngineConfig, ModelConfig, resolve_device, text_config_of
+from hookllm.cuda_graph import CudaGraphRunner
 from hookllm.kernels import get_attention_backend, resolve_attention_backend
 from hookllm.layers.attention import Attention
 from hookllm.model_runner import ModelRunner, StepOutput
@@ -41,6 +42,13 @@ class Worker:
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory()
         self._allocate_kv_cache(self.num_kv_blocks)
         self.runner = ModelRunner(model, hooks, self.device, config.block_size, self.attention_backend)
+        if self.device.type == "cuda" and backend == "triton" and not config.enforce_eager:
+            self.runner.cuda_graphs = CudaGraphRunner(
+                model, text_config_of(model_config.hf_config).hidden_size, self.dtype, self.device,
+                max_batch_size=min(config.max_num_seqs, config.max_cuda_graph_batch_size),
+                max_blocks_per_seq=-(-model_config.max_model_len // config.block_size),
+                max_model_len=model_config.max_model_len, backend=self.attention_backend,
+            )
 
     @property
     def block_bytes(self) -> int:

@@ -1,0 +1,72 @@
+"""Shared pieces of the GPU benchmarks: model shapes, random checkpoints, result files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+HBM_BYTES_PER_S = 4.3e12  # H200 HBM3e, as DESIGN.md counts it
+
+SHAPES = {
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
+                         tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=500000.0),
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+                       tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=1000000.0),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
+                         tie_word_embeddings=False, max_position_embeddings=4096, rope_theta=500000.0),
+}
+
+
+def commit() -> str:
+    """The commit being measured; $HOOKLLM_COMMIT where the tree travels without .git."""
+    if os.environ.get("HOOKLLM_COMMIT"):
+        return os.environ["HOOKLLM_COMMIT"]
+    try:
+        sha = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.call(["git", "diff", "--quiet", "HEAD"], stderr=subprocess.DEVNULL) != 0
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def random_checkpoint(shape: str, root: Path) -> Path:
+    """Save a random-weight bf16 checkpoint of ``shape`` once; every engine loads this folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = root / shape
+    if (path / "config.json").exists():
+        return path
+    fields = dict(SHAPES[shape])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+def write_result(name: str, payload: dict) -> Path:
+    """benchmarks/results/<name>-<date>.json, or $OUT/<name>.json on the device machine."""
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2))
+    return path
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
