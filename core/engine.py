@@ -146,15 +146,14 @@ class LLMEngine:
         if batch.is_empty():
             return []
         batch.generator = self.generator
-        sampling_requests = batch.sampling_requests
         result = self.worker.execute(batch)
         for request, n in zip(batch.requests, batch.num_scheduled_tokens):
             request.num_computed_tokens += n
         outputs = []
-        for request, token_id, logprobs in zip(sampling_requests, result.sampled_token_ids, result.logprobs):
+        for request, token_id, logprobs in zip(batch.sampling_requests, result.sampled_token_ids, result.logprobs):
             self._append_token(request, token_id, logprobs)
             outputs.append(self._make_output(request))
-        for request in sampling_requests:
+        for request in batch.sampling_requests:
             if request.is_finished:
                 self._release(request)
         return outputs

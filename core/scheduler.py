@@ -26,17 +26,16 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     generator: torch.Generator | None = None  # the engine's RNG for unseeded sampling
 
-    @property
-    def total_num_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
-    @property
-    def sampling_requests(self) -> list[Request]:
-        """Requests whose chunk reaches their last token, so they sample: one logits row each."""
-        return [
+    def __post_init__(self) -> None:
+        # Requests whose chunk reaches their last token sample this step: one logits row each.
+        self.sampling_requests: list[Request] = [
             r for r, n in zip(self.requests, self.num_scheduled_tokens)
             if r.num_computed_tokens + n == r.num_tokens
         ]
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
 
     def is_empty(self) -> bool:
         return not self.requests
