@@ -6,6 +6,8 @@ from hookllm.outputs import CompletionOutput, RequestOutput
 from hookllm.config import EngineConfig
 from hookllm.engine import LLMEngine
 from hookllm.llm import LLM
+from hookllm.model_runner import SamplerContractError
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "hookimpl"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "hookimpl",
+           "SamplerContractError"]

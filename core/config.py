@@ -17,9 +17,13 @@ DTYPES = {
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" is the current GPU if there is one, else the CPU; a bare "cuda" gets its index."""
     if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

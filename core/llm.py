@@ -112,12 +112,19 @@ class LLM:
 
             progress = tqdm(total=len(request_ids), desc="generating", unit="req")
         wanted = set(request_ids)
-        while len(finished) < len(wanted) and self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished and output.request_id in wanted:
-                    finished[output.request_id] = output
-                    if progress is not None:
-                        progress.update(1)
-        if progress is not None:
-            progress.close()
+        try:
+            while len(finished) < len(wanted) and self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+        except BaseException:
+            # A plugin raised mid-step (or Ctrl-C): drop this call's requests so the engine stays usable.
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
         return [finished[request_id] for request_id in request_ids]

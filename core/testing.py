@@ -46,7 +46,7 @@ def load_reference(path: str | Path, model_cls: Any = None) -> Any:
     """The transformers model of a checkpoint, fp32, eval mode."""
     from transformers import AutoModelForCausalLM
 
-    return (model_cls or AutoModelForCausalLM).from_pretrained(str(path), torch_dtype=torch.float32).eval()
+    return (model_cls or AutoModelForCausalLM).from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 def random_prompts(num: int, vocab_size: int, min_len: int = 3, max_len: int = 40, seed: int = 0) -> list[list[int]]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, GPT2Config
 
 from hookllm import LLM, EngineConfig, LLMEngine, SamplingParams, testing
@@ -63,7 +64,7 @@ def reference(gpt2_dir):
     return testing.load_reference(gpt2_dir)
 
 
-def make_llm(path: Path, **kwargs) -> LLM:
+def cpu_llm(path: Path, **kwargs) -> LLM:
     return LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, **kwargs)
 
 
@@ -91,8 +92,34 @@ def test_gpt2_adapter_matches_transformers(gpt2_dir):
     testing.assert_adapter_matches_transformers(gpt2_dir, plugins=["gpt2"])
 
 
+def rewrite_checkpoint(source: Path, target: Path, edit) -> Path:
+    """Copy a checkpoint folder with its tensors passed through ``edit(dict) -> dict``."""
+    shutil.copytree(source, target)
+    save_file(edit(load_file(target / "model.safetensors")), target / "model.safetensors")
+    return target
+
+
+def test_gpt2_loads_old_checkpoints_with_bare_names_and_mask_buffers(gpt2_dir, reference, tmp_path):
+    def old_style(tensors):
+        tensors = {name.removeprefix("transformer."): t for name, t in tensors.items()}
+        mask = torch.tril(torch.ones(128, 128))[None, None]
+        return {**tensors, "h.0.attn.bias": mask, "h.0.attn.masked_bias": torch.tensor(-1e4)}
+
+    old = rewrite_checkpoint(gpt2_dir, tmp_path / "old", old_style)
+    testing.assert_greedy_matches(cpu_llm(old), reference, testing.random_prompts(2, VOCAB), max_tokens=8)
+
+
+def test_gpt2_checkpoint_missing_a_tensor_is_an_error_naming_it(gpt2_dir, tmp_path):
+    def drop_ln_f(tensors):
+        return {name: t for name, t in tensors.items() if name != "transformer.ln_f.bias"}
+
+    broken = rewrite_checkpoint(gpt2_dir, tmp_path / "broken", drop_ln_f)
+    with pytest.raises(ValueError, match=r"missing tensors: transformer\.ln_f\.bias"):
+        cpu_llm(broken)
+
+
 def test_gpt2_checkpoint_activates_its_adapter_without_selection(gpt2_dir):
-    assert make_llm(gpt2_dir).engine.active_plugins == ["core", "gpt2"]
+    assert cpu_llm(gpt2_dir).engine.active_plugins == ["core", "gpt2"]
 
 
 def test_cli_generate_with_gpt2_plugin_prints_transformers_greedy_text(gpt2_dir, reference, capsys):
@@ -107,7 +134,7 @@ def test_cli_generate_with_gpt2_plugin_prints_transformers_greedy_text(gpt2_dir,
 
 
 def test_logit_bias_forces_a_token_when_the_plugin_is_selected(gpt2_dir):
-    llm = make_llm(gpt2_dir, plugins=["logit-bias"])
+    llm = cpu_llm(gpt2_dir, plugins=["logit-bias"])
     params = SamplingParams(max_tokens=6, temperature=0.0, extra_args={"logit_bias": {7: 100.0}})
     assert greedy_tokens(llm, params) == [7] * 6
 
@@ -115,7 +142,7 @@ def test_logit_bias_forces_a_token_when_the_plugin_is_selected(gpt2_dir):
 def test_banned_token_gives_the_runner_up_token(gpt2_dir, reference):
     with torch.inference_mode():
         top2 = reference(torch.tensor([PROMPT])).logits[0, -1].topk(2).indices.tolist()
-    llm = make_llm(gpt2_dir, plugins=["logit-bias"])
+    llm = cpu_llm(gpt2_dir, plugins=["logit-bias"])
     params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"banned_token_ids": [top2[0]]})
     assert greedy_tokens(llm, params) == [top2[1]]
 
@@ -126,7 +153,7 @@ def test_banned_token_gives_the_runner_up_token(gpt2_dir, reference):
 ], ids=["not-selected", "no-extra-args"])
 def test_logit_bias_changes_nothing_unless_selected_and_asked(gpt2_dir, reference, plugins, extra_args):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, extra_args=extra_args)
-    assert greedy_tokens(make_llm(gpt2_dir, plugins=plugins), params) == testing.reference_greedy(reference, PROMPT, 8)
+    assert greedy_tokens(cpu_llm(gpt2_dir, plugins=plugins), params) == testing.reference_greedy(reference, PROMPT, 8)
 
 
 def engine_plugins_and_tokens(config: EngineConfig) -> tuple[list[str], list[int]]:
