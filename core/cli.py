@@ -27,7 +27,10 @@ def _generate_parser(subparsers: argparse._SubParsersAction, plugin_manager) -> 
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    core_options = {action.dest for action in p._actions}
     plugin_manager.all_plugins.hook.add_cli_options(parser=p)
+    # Flags that plugins add reach them per request, as SamplingParams.extra_args.
+    p.set_defaults(plugin_options=[a.dest for a in p._actions if a.dest not in core_options])
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -37,7 +40,8 @@ def _run_generate(args: argparse.Namespace) -> int:
               max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
               attention_backend=args.attention_backend)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+                            top_k=args.top_k, seed=args.seed,
+                            extra_args={name: getattr(args, name) for name in args.plugin_options})
     images = [_open_image(path) for path in args.images]
     tokenizer = llm.tokenizer
     use_chat = not args.no_chat and tokenizer is not None and getattr(tokenizer, "chat_template", None)

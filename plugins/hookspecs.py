@@ -94,4 +94,11 @@ def request_finished(request):
 
 @hookspec
 def add_cli_options(parser):
-    """Add plugin-specific flags to the ``hookllm generate`` argparse parser (all installed plugins)."""
+    """Add plugin-specific flags to the ``hookllm generate`` argparse parser (all installed plugins).
+
+    The parsed values reach every request as ``SamplingParams.extra_args[dest]``::
+
+        @hookimpl
+        def add_cli_options(parser):
+            parser.add_argument("--ban", type=int, action="append", dest="banned_token_ids")
+    """

@@ -76,7 +76,7 @@ def test_plugins_table_lists_packages_with_version_hooks_and_architectures(capsy
     assert main(["plugins"]) == 0
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
     assert re.search(r"hookllm-gpt2 0\.1\.0\s+register_models\s+GPT2LMHeadModel$", rows["gpt2"])
-    assert re.search(r"hookllm-logit-bias 0\.1\.0\s+process_logits$", rows["logit-bias"])
+    assert re.search(r"hookllm-logit-bias 0\.1\.0\s+add_cli_options, process_logits$", rows["logit-bias"])
 
 
 def test_plugins_json_lists_packages_with_version_hooks_and_architectures(capsys):
@@ -85,7 +85,7 @@ def test_plugins_json_lists_packages_with_version_hooks_and_architectures(capsys
     assert rows["gpt2"] == {"name": "gpt2", "distribution": "hookllm-gpt2", "version": "0.1.0",
                             "hooks": ["register_models"], "architectures": ["GPT2LMHeadModel"], "error": None}
     assert rows["logit-bias"] == {"name": "logit-bias", "distribution": "hookllm-logit-bias", "version": "0.1.0",
-                                  "hooks": ["process_logits"], "architectures": [], "error": None}
+                                  "hooks": ["add_cli_options", "process_logits"], "architectures": [], "error": None}
 
 
 def test_gpt2_adapter_matches_transformers(gpt2_dir):
@@ -131,6 +131,19 @@ def test_cli_generate_with_gpt2_plugin_prints_transformers_greedy_text(gpt2_dir,
             "--max-tokens", "8", prompt]
     assert main(argv) == 0
     assert capsys.readouterr().out.strip() == tokenizer.decode(expected)
+
+
+def test_cli_flag_added_by_a_plugin_reaches_its_hook(gpt2_dir, reference, capsys):
+    tokenizer = AutoTokenizer.from_pretrained(str(gpt2_dir))
+    prompt = "w5 w17 w42 w8"
+    ids = tokenizer(prompt)["input_ids"]
+    first = testing.reference_greedy(reference, ids, 1)[0]
+    with torch.inference_mode():
+        runner_up = reference(torch.tensor([ids])).logits[0, -1].topk(2).indices[1].item()
+    argv = ["generate", "--plugin", "logit-bias", "--ban", str(first), "--model", str(gpt2_dir), "--no-chat",
+            "--device", "cpu", "--max-tokens", "1", prompt]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.strip() == tokenizer.decode([runner_up])
 
 
 def test_logit_bias_forces_a_token_when_the_plugin_is_selected(gpt2_dir):
