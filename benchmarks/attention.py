@@ -6,6 +6,11 @@ device-to-device copy rate measured on an H200). Prefill: 1/4/16 sequences x 512
 tokens from an empty context, in TFLOP/s (causal: half the square counted) next to torch
 SDPA (flash backend, contiguous [B, H, S, D], is_causal=True) on the same shapes.
 
+Times are GPU times from CUDA-graph replays (as the engine runs decode steps), so Python
+launch overhead is left out; decode rows also give the eager time per call, which includes
+it. Decode batches rotate over disjoint copies of their blocks (several times the 60 MB L2
+per pass), so K/V come from HBM.
+
     python benchmarks/attention.py [--tune] [--quick]
 
 Writes JSON to $OUT/attention.json when $OUT is set, else to benchmarks/results/.
@@ -17,12 +22,13 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import triton
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hookllm.kernels import triton_attention as ta
@@ -34,121 +40,179 @@ MODELS = {  # name: (num_heads, num_kv_heads, head_dim)
 }
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
+L2_FLUSH_BYTES = 4 * 60 * 2**20
 
 
-def paged_inputs(q_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
-    """Query and a paged cache exactly as large as the batch needs, blocks in shuffled order."""
-    blocks_per_seq = [-(-s // BLOCK_SIZE) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq)
-    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    perm = torch.randperm(num_blocks, device="cuda").to(torch.int32)
-    block_tables = torch.zeros((len(seq_lens), max(blocks_per_seq)), dtype=torch.int32, device="cuda")
-    used = 0
-    for i, n in enumerate(blocks_per_seq):
-        block_tables[i, :n] = perm[used : used + n]
-        used += n
-    query_start_loc = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device="cuda")
-    query_start_loc[1:] = torch.tensor(q_lens, device="cuda").cumsum(0)
-    return dict(
-        query=torch.randn(sum(q_lens), num_heads, head_dim, device="cuda", dtype=DTYPE),
-        k_cache=torch.randn(shape, device="cuda", dtype=DTYPE),
-        v_cache=torch.randn(shape, device="cuda", dtype=DTYPE),
-        block_tables=block_tables,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
-        query_start_loc=query_start_loc,
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        scale=head_dim**-0.5,
-    )
+def paged_batches(num_seqs: int, q_len: int, seq_len: int, model: str, copies: int = 1) -> list[dict]:
+    """``copies`` batches of one shape (``num_seqs`` sequences, ``q_len`` new tokens each) whose
+    blocks are disjoint and shuffled over one cache, so that running them in turn reads HBM
+    rather than L2."""
+    num_heads, num_kv_heads, head_dim = MODELS[model]
+    blocks_per_seq = -(-seq_len // BLOCK_SIZE)
+    per_copy = num_seqs * blocks_per_seq
+    shape = (per_copy * copies, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
+    perm = torch.randperm(per_copy * copies, device="cuda").to(torch.int32).view(copies, num_seqs, blocks_per_seq)
+    query_start_loc = torch.arange(num_seqs + 1, device="cuda", dtype=torch.int32) * q_len
+    seq_lens = torch.full((num_seqs,), seq_len, device="cuda", dtype=torch.int32)
+    return [
+        dict(
+            query=torch.randn(num_seqs * q_len, num_heads, head_dim, device="cuda", dtype=DTYPE),
+            k_cache=k_cache,
+            v_cache=v_cache,
+            block_tables=perm[c].contiguous(),
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            max_query_len=q_len,
+            max_seq_len=seq_len,
+            scale=head_dim**-0.5,
+        )
+        for c in range(copies)
+    ]
 
 
-def bench_ms(fn) -> float:
-    """Median kernel time in ms (triton's do_bench flushes L2 between runs)."""
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+def copies_for(nbytes: int) -> int:
+    """Enough disjoint copies of a batch to stream several times the L2 (60 MB) per pass."""
+    return max(1, min(256, -(-L2_FLUSH_BYTES // nbytes)))
 
 
-def run_with(inputs: dict, num_splits: int, config: ta.AttentionConfig):
-    args = {k: v for k, v in inputs.items() if k != "max_seq_len"}
+def graph_ms(calls: list[Callable[[], object]], min_calls: int = 20, replays: int = 5) -> float:
+    """GPU time of one call in ms: the calls, in turn, captured in one CUDA graph (no host
+    launch overhead) and replayed; the median replay divided by the number of calls."""
+    calls = calls * -(-min_calls // len(calls))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        for call in calls[:3]:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times) / len(calls)
+
+
+def eager_ms(call: Callable[[], object], n: int = 50) -> float:
+    """Time per call of ``n`` back-to-back eager calls: host-bound when the kernels are short."""
+    call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def attention_call(batch: dict, num_splits: int | None = None, config: ta.AttentionConfig | None = None):
+    """The public kernel entry, or ``paged_attention_with`` when a split count and config are forced."""
+    if config is None:
+        return lambda: ta.paged_attention(**batch)
+    args = {k: v for k, v in batch.items() if k != "max_seq_len"}
     return lambda: ta.paged_attention_with(**args, num_splits=num_splits, config=config)
 
 
-def decode_bytes(batch: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
-    kv = 2 * batch * context * num_kv_heads * head_dim * 2
-    qo = 2 * batch * num_heads * head_dim * 2
-    return kv + qo
+def decode_bytes(batch: int, context: int, model: str) -> int:
+    """Bytes a decode step must move: each sequence's K and V, plus its query and output."""
+    num_heads, num_kv_heads, head_dim = MODELS[model]
+    return 2 * batch * context * num_kv_heads * head_dim * 2 + 2 * batch * num_heads * head_dim * 2
 
 
-def causal_flops(seqs: int, tokens: int, num_heads: int, head_dim: int) -> float:
+def causal_flops(seqs: int, tokens: int, model: str) -> float:
+    num_heads, _, head_dim = MODELS[model]
     return 4.0 * seqs * tokens * tokens * num_heads * head_dim / 2
 
 
 def bench_decode(model: str, batch: int, context: int) -> dict:
-    h, kvh, d = MODELS[model]
-    inputs = paged_inputs([1] * batch, [context] * batch, h, kvh, d)
-    ms = bench_ms(lambda: ta.paged_attention(**inputs))
-    gbps = decode_bytes(batch, context, h, kvh, d) / (ms * 1e-3) / 1e9
-    splits = ta.num_kv_splits(batch, kvh, 1, context, ta.num_sms(inputs["query"].device))
-    del inputs
-    return dict(model=model, batch=batch, context=context, ms=ms, gb_per_s=gbps,
-                frac_of_peak=gbps * 1e9 / PEAK_BYTES_PER_S, num_splits=splits)
+    nbytes = decode_bytes(batch, context, model)
+    batches = paged_batches(batch, 1, context, model, copies_for(nbytes))
+    ms = graph_ms([attention_call(b) for b in batches])
+    eager = eager_ms(attention_call(batches[0]))
+    kv_heads = MODELS[model][1]
+    splits = ta.num_kv_splits(batch, kv_heads, 1, context, ta.num_sms(torch.device("cuda", torch.cuda.current_device())))
+    return dict(model=model, batch=batch, context=context, ms=ms, eager_ms=eager, gb_per_s=nbytes / (ms * 1e-3) / 1e9,
+                frac_of_peak=nbytes / (ms * 1e-3) / PEAK_BYTES_PER_S, num_splits=splits)
 
 
-def sdpa_ms(seqs: int, tokens: int, num_heads: int, num_kv_heads: int, head_dim: int) -> float:
+def sdpa_call(seqs: int, tokens: int, model: str):
+    """torch SDPA, flash backend, contiguous [B, H, S, D], causal; GQA through enable_gqa when
+    the backend takes it, else with the KV heads expanded."""
+    num_heads, num_kv_heads, head_dim = MODELS[model]
     q = torch.randn(seqs, num_heads, tokens, head_dim, device="cuda", dtype=DTYPE)
     k = torch.randn(seqs, num_kv_heads, tokens, head_dim, device="cuda", dtype=DTYPE)
     v = torch.randn_like(k)
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        try:
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            return bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=True))
-        except RuntimeError:  # flash backend without GQA support: expand the KV heads
-            group = num_heads // num_kv_heads
-            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-            return bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            sdpa(q, k, v, is_causal=True, enable_gqa=True)
+        gqa = True
+    except RuntimeError:
+        group = num_heads // num_kv_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        gqa = False
+
+    def call():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    return call
 
 
 def bench_prefill(model: str, seqs: int, tokens: int) -> dict:
-    h, kvh, d = MODELS[model]
-    inputs = paged_inputs([tokens] * seqs, [tokens] * seqs, h, kvh, d)
-    ms = bench_ms(lambda: ta.paged_attention(**inputs))
-    del inputs
-    ref_ms = sdpa_ms(seqs, tokens, h, kvh, d)
-    flops = causal_flops(seqs, tokens, h, d)
+    ms = graph_ms([attention_call(paged_batches(seqs, tokens, tokens, model)[0])], min_calls=10)
+    ref_ms = graph_ms([sdpa_call(seqs, tokens, model)], min_calls=10)
+    flops = causal_flops(seqs, tokens, model)
     return dict(model=model, seqs=seqs, tokens=tokens, ms=ms, tflops=flops / (ms * 1e-3) / 1e12,
                 sdpa_ms=ref_ms, sdpa_tflops=flops / (ref_ms * 1e-3) / 1e12, vs_sdpa=ref_ms / ms)
+
+
+# Alternatives timed by --tune next to the defaults: decode (block_n, warps, stages),
+# prefill (query rows, block_n, warps, stages).
+DECODE_CANDIDATES = [(128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 2, 3), (128, 4, 2), (128, 8, 2)]
+PREFILL_CANDIDATES = [(128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3)]
 
 
 def tune() -> dict:
     """Time candidate launch configs and split counts on the shapes the goals are set on."""
     results: dict = {"decode_b64_ctx2048": [], "prefill_4x2048": [], "splits": []}
-    decode_candidates = [(64, 4, 3), (64, 4, 2), (64, 4, 4), (32, 2, 3), (64, 2, 3), (128, 4, 3), (128, 8, 2), (32, 4, 4)]
-    prefill_candidates = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2),
-                          (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 8, 4)]
-    for model, (h, kvh, d) in MODELS.items():
-        group = h // kvh
-        inputs = paged_inputs([1] * 64, [2048] * 64, h, kvh, d)
-        for bn, warps, stages in decode_candidates:
-            cfg = ta.AttentionConfig(block_m=1, block_n=bn, num_warps=warps, num_stages=stages)
-            ms = bench_ms(run_with(inputs, 1, cfg))
-            gbps = decode_bytes(64, 2048, h, kvh, d) / (ms * 1e-3) / 1e9
-            results["decode_b64_ctx2048"].append(dict(model=model, config=cfg.__dict__, ms=ms, gb_per_s=gbps))
-            print(f"tune decode {model} {cfg} {ms * 1e3:.1f} us {gbps:.0f} GB/s", flush=True)
-        inputs = paged_inputs([2048] * 4, [2048] * 4, h, kvh, d)
-        for rows, bn, warps, stages in prefill_candidates:
-            cfg = ta.AttentionConfig(block_m=rows // group, block_n=bn, num_warps=warps, num_stages=stages)
-            ms = bench_ms(run_with(inputs, 1, cfg))
-            tflops = causal_flops(4, 2048, h, d) / (ms * 1e-3) / 1e12
+    for model, (num_heads, num_kv_heads, head_dim) in MODELS.items():
+        group = num_heads // num_kv_heads
+        nbytes = decode_bytes(64, 2048, model)
+        batches = paged_batches(64, 1, 2048, model, copies_for(nbytes))
+        for block_n, warps, stages in DECODE_CANDIDATES:
+            cfg = ta.AttentionConfig(block_m=1, block_n=block_n, num_warps=warps, num_stages=stages)
+            ms = graph_ms([attention_call(b, 1, cfg) for b in batches])
+            results["decode_b64_ctx2048"].append(
+                dict(model=model, config=cfg.__dict__, ms=ms, gb_per_s=nbytes / (ms * 1e-3) / 1e9))
+            print(f"tune decode {model} {cfg} {ms * 1e3:.1f} us {nbytes / ms / 1e6:.0f} GB/s", flush=True)
+        batch = paged_batches(4, 2048, 2048, model)[0]
+        for rows, block_n, warps, stages in PREFILL_CANDIDATES:
+            cfg = ta.AttentionConfig(block_m=rows // group, block_n=block_n, num_warps=warps, num_stages=stages)
+            ms = graph_ms([attention_call(batch, 1, cfg)], min_calls=10)
+            tflops = causal_flops(4, 2048, model) / (ms * 1e-3) / 1e12
             results["prefill_4x2048"].append(dict(model=model, config=cfg.__dict__, ms=ms, tflops=tflops))
             print(f"tune prefill {model} {cfg} {ms:.3f} ms {tflops:.0f} TFLOP/s", flush=True)
-        for batch in (1, 16, 64):
-            inputs = paged_inputs([1] * batch, [8192] * batch, h, kvh, d)
-            cfg = ta.default_config(d, group, 1)
-            for splits in (1, 2, 4, 8, 16, 32, 64):
-                ms = bench_ms(run_with(inputs, splits, cfg))
-                results["splits"].append(dict(model=model, batch=batch, context=8192, num_splits=splits, ms=ms))
-                print(f"tune splits {model} b{batch} ctx8192 splits={splits} {ms * 1e3:.1f} us", flush=True)
-        del inputs
+        cfg = ta.default_config(head_dim, group, 1)
+        for seqs, context in ((1, 8192), (16, 2048), (16, 8192), (64, 8192)):
+            batches = paged_batches(seqs, 1, context, model, copies_for(decode_bytes(seqs, context, model)))
+            for splits in (1, 2, 4, 8, 16, 32):
+                ms = graph_ms([attention_call(b, splits, cfg) for b in batches])
+                results["splits"].append(dict(model=model, batch=seqs, context=context, num_splits=splits, ms=ms))
+                print(f"tune splits {model} b{seqs} ctx{context} splits={splits} {ms * 1e3:.1f} us", flush=True)
     return results
 
 
@@ -160,10 +224,11 @@ def commit() -> str:
 
 
 def tables(decode: list[dict], prefill: list[dict]) -> str:
-    lines = ["| model | batch | context | splits | time (us) | GB/s | of 4.3 TB/s |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | batch | context | splits | GPU time (us) | GB/s | of 4.3 TB/s | eager call (us) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in decode:
         lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['num_splits']} | {r['ms'] * 1e3:.1f} "
-                     f"| {r['gb_per_s']:.0f} | {r['frac_of_peak']:.0%} |")
+                     f"| {r['gb_per_s']:.0f} | {r['frac_of_peak']:.0%} | {r['eager_ms'] * 1e3:.1f} |")
     lines += ["", "| model | seqs | tokens | triton (ms) | TFLOP/s | SDPA (ms) | SDPA TFLOP/s | triton/SDPA |",
               "|---|---|---|---|---|---|---|---|"]
     for r in prefill:

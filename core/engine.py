@@ -74,6 +74,11 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = self._make_request(prompt, sampling_params or SamplingParams(), request_id)
         self.hooks.hook.preprocess_request(request=request, tokenizer=self.tokenizer, model_config=self.model_config)
+        if request.multi_modal_data and any(request.multi_modal_data.values()) and not request.mm_items:
+            raise ValueError(
+                f"request {request_id}: no active plugin takes multi_modal_data "
+                f"({', '.join(sorted(request.multi_modal_data))}); select one with --plugin"
+            )
         self._check_limits(request)
         if self.tokenizer is not None:
             self.detokenizers[request_id] = IncrementalDetokenizer(

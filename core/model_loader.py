@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
@@ -13,6 +14,21 @@ from torch import nn
 from hookllm.layers.linear import MergedLinear
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@contextlib.contextmanager
+def building_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Create modules' parameters directly on the target device and dtype (no CPU fp32 copy).
+
+    Buffers created with an explicit dtype (rotary tables) keep it.
+    """
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:

@@ -30,7 +30,11 @@ LOGITS_ATOL = 1e-4
 
 
 def build_tiny_checkpoint(config: Any, path: str | Path, seed: int = 0, model_cls: Any = None) -> Path:
-    """Instantiate ``config`` with random weights (``from_config``) and ``save_pretrained`` it."""
+    """Instantiate ``config`` with random weights and ``save_pretrained`` it.
+
+    ``model_cls`` is a transformers Auto class (``from_config``), by default
+    ``AutoModelForCausalLM``; a multimodal model passes e.g. ``AutoModelForImageTextToText``.
+    """
     from transformers import AutoModelForCausalLM
 
     if getattr(config, "initializer_range", None) in (None, 0.02):

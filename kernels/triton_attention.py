@@ -28,8 +28,13 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-# Split-K: aim for this many programs per SM, never give a split fewer than MIN_SPLIT_TOKENS keys.
-TARGET_PROGRAMS_PER_SM = 2
+# By head_dim (64 also serves smaller ones), tuned on an H200 at bf16:
+# decode (block_n, num_warps, num_stages); prefill (query rows, block_n, num_warps, num_stages).
+_DECODE_CONFIGS = {64: (128, 4, 3), 128: (64, 4, 2), 256: (32, 4, 2)}
+_PREFILL_CONFIGS = {64: (128, 64, 8, 2), 128: (64, 64, 4, 3), 256: (64, 32, 8, 2)}
+# Split-K: fill about this many resident decode programs per SM; never give a split fewer
+# than MIN_SPLIT_TOKENS keys.
+PROGRAMS_PER_SM = 4
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 # Decided when the kernels below are defined, as triton.jit itself decides it.
@@ -271,19 +276,20 @@ class AttentionConfig:
 
 
 def default_config(head_dim: int, group: int, max_query_len: int) -> AttentionConfig:
-    """Tile sizes for a batch shape: one query token per program for decode-only batches
-    (memory-bound: small tiles, many programs), 128-row query tiles for prefill (compute-bound)."""
-    group_pad = triton.next_power_of_2(group)
+    """Tile sizes for a batch shape, tuned on an H200 (docs/performance.md): one query token
+    per program for decode-only batches (memory-bound), 64-128-row query tiles otherwise."""
+    key = min(max(head_dim, 64), 256)
     if max_query_len <= 1:
-        return AttentionConfig(block_m=1, block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=3)
-    rows = 128 if head_dim <= 128 else 64
+        block_n, num_warps, num_stages = _DECODE_CONFIGS[key]
+        return AttentionConfig(block_m=1, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    rows, block_n, num_warps, num_stages = _PREFILL_CONFIGS[key]
+    group_pad = triton.next_power_of_2(group)
     block_m = max(1, min(rows // group_pad, triton.next_power_of_2(max_query_len)))
-    big = block_m * group_pad >= 128
     return AttentionConfig(
         block_m=block_m,
-        block_n=64 if head_dim <= 128 else 32,
-        num_warps=8 if big else 4,
-        num_stages=3 if head_dim <= 128 else 2,
+        block_n=block_n,
+        num_warps=num_warps if block_m * group_pad >= rows else 4,
+        num_stages=num_stages,
     )
 
 
@@ -305,12 +311,13 @@ def num_sms(device: torch.device) -> int:
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, num_sms: int) -> int:
     """How many key ranges each (sequence, KV head) is cut into: more than one only for
-    decode-only batches whose programs would leave SMs idle, and only for long contexts."""
+    decode-only batches with too few (sequence, KV head) programs to fill the SMs' resident
+    slots, and only for long contexts."""
     if max_query_len != 1:
         return 1
     programs = max(1, num_seqs * num_kv_heads)
     splits = min(
-        triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms, programs),
+        PROGRAMS_PER_SM * num_sms // programs,
         max_seq_len // MIN_SPLIT_TOKENS,
         MAX_SPLITS,
     )

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 from hookllm import sampler
-from hookllm.model_loader import iterate_weights
+from hookllm.model_loader import building_on, iterate_weights
 from hookllm.plugins.hookspecs import hookimpl
 
 
@@ -13,13 +11,8 @@ from hookllm.plugins.hookspecs import hookimpl
 def load_model(model_config, device, dtype, registry):
     """Build the registered class on the target device and dtype, then load its safetensors."""
     model_cls = registry.resolve(model_config.architecture, model_config.plugin)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = model_cls(model_config.hf_config)
-    finally:
-        torch.set_default_dtype(previous)
+    with building_on(device, dtype):
+        model = model_cls(model_config.hf_config)
     model.load_weights(iterate_weights(model_config.path))
     return model.eval()
 

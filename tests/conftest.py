@@ -1,11 +1,15 @@
 import os
 
+import torch
+
 # Nothing may be fetched from a model hub: every model in the tests is built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # Triton picks its interpreter when first imported: set it before anything imports triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-import torch
 from transformers import LlamaConfig
 
 from hookllm import LLM, testing

@@ -88,3 +88,11 @@ def test_text_prompt_without_tokenizer_is_refused_but_token_ids_work(tmp_path):
         llm.generate("hello")
     out = llm.generate(GOOD, testing.greedy(3))[0].outputs[0]
     assert len(out.token_ids) == 3 and out.text == ""
+
+
+def test_images_for_a_model_without_an_image_plugin_are_refused(llm, expected_good):
+    from PIL import Image
+
+    with pytest.raises(ValueError, match="no active plugin takes multi_modal_data"):
+        llm.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": Image.new("RGB", (8, 8))}})
+    _still_serves(llm, expected_good)

@@ -72,7 +72,7 @@ class CLIPVisionTower(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[n, 3, H, W]`` -> ``[n, 1 + patches, hidden * len(feature_layers)]`` (CLS first)."""
-        x = self.vit._embeds(pixel_values)
+        x = self.vit._embeds(pixel_values)  # open_clip: patches, CLS, positions, ln_pre
         states = {0: x}
         for index, block in enumerate(self.vit.transformer.resblocks, start=1):
             x = block(x)

@@ -1,0 +1,108 @@
+"""The LLaVA adapter: ``LlavaForConditionalGeneration`` checkpoints in HF format, through hooks only.
+
+- ``register_models``: the architecture name -> the lazy model class.
+- ``load_model``: build the vision tower and projector here, the text decoder from whichever
+  plugin registered ``text_config``'s architecture, and load any HF key layout.
+- ``preprocess_request``: expand each ``<image>`` into the image's token rows, record the image.
+- ``prepare_inputs``: encode the images a step needs (once each), scatter them into the embeddings.
+- ``request_finished``: drop cached image embeddings no live request uses any more.
+
+The model, open_clip and the image code are imported only when a LLaVA checkpoint is served.
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import lru_cache
+
+import torch
+
+from hookllm import hookimpl
+
+ARCHITECTURE = "LlavaForConditionalGeneration"
+
+# The LLaVA models loaded in this process: request_finished gets no model, so it releases the
+# request from each of their encoder caches (a cache holds only its own engine's requests).
+_models: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@hookimpl
+def register_models(registry):
+    registry.register(ARCHITECTURE, f"hookllm.adapters.llava.model:{ARCHITECTURE}")
+
+
+@hookimpl
+def load_model(model_config, device, dtype, registry):
+    if model_config.architecture != ARCHITECTURE:
+        return None
+    from hookllm.adapters.llava.model import text_architecture
+    from hookllm.model_loader import building_on, iterate_weights
+
+    hf_config = model_config.hf_config
+    model_cls = registry.resolve(ARCHITECTURE, model_config.plugin)
+    text_model_cls = registry.resolve(text_architecture(hf_config.text_config))
+    with building_on(device, dtype):
+        model = model_cls(hf_config, text_model_cls)
+    model.load_weights(iterate_weights(model_config.path))
+    _models.add(model)
+    return model.eval()
+
+
+@lru_cache(maxsize=8)
+def _image_processor(model_dir: str, image_size: int):
+    from hookllm.adapters.llava.processing import ImageProcessor
+
+    return ImageProcessor.from_pretrained(model_dir, image_size)
+
+
+@hookimpl
+def preprocess_request(request, tokenizer, model_config):
+    data = request.multi_modal_data or {}
+    if model_config.architecture != ARCHITECTURE:
+        if data.get("image"):
+            raise ValueError(f"request {request.request_id}: {model_config.architecture} takes no images")
+        return
+    unsupported = set(data) - {"image"}
+    if unsupported:
+        raise ValueError(f"request {request.request_id}: LLaVA takes only images, got {sorted(unsupported)}")
+    from hookllm.adapters.llava.model import image_feature_size
+    from hookllm.adapters.llava.processing import expand_request
+
+    hf_config = model_config.hf_config
+    processor = _image_processor(model_config.path, hf_config.vision_config.image_size)
+    expand_request(request, tokenizer, hf_config.image_token_index, image_feature_size(hf_config), processor)
+
+
+@hookimpl
+def prepare_inputs(batch, inputs, model):
+    # (flat row, request, item, first and last+1 image row) for each image slice in this step.
+    slices = []
+    for i, (request, count) in enumerate(zip(batch.requests, batch.num_scheduled_tokens)):
+        start, end = request.num_computed_tokens, request.num_computed_tokens + count
+        for item in request.mm_items:
+            lo, hi = max(start, item.offset), min(end, item.offset + item.length)
+            if item.modality == "image" and lo < hi:
+                slices.append((inputs.query_start[i] + lo - start, request, item, lo - item.offset, hi - item.offset))
+    if not slices:
+        return
+    from hookllm.adapters.llava.model import LlavaForConditionalGeneration
+
+    if not isinstance(model, LlavaForConditionalGeneration):  # another plugin's images
+        return
+    cache = model.encoder_cache
+    missing = {item.content_hash: item for _, _, item, _, _ in slices if item.content_hash not in cache}
+    if missing:
+        pixels = torch.stack([item.data for item in missing.values()]).to(inputs.input_ids.device)
+        for content_hash, embeddings in zip(missing, model.get_image_features(pixels)):
+            cache.add(content_hash, embeddings.clone())  # a view would keep the whole batch alive
+    embeds = model.embed_tokens(inputs.input_ids)
+    for row, request, item, first, last in slices:
+        embeds[row:row + last - first] = cache.use(item.content_hash, request)[first:last].to(embeds.dtype)
+    inputs.inputs_embeds = embeds
+
+
+@hookimpl
+def request_finished(request):
+    if request.mm_items:
+        for model in list(_models):
+            model.encoder_cache.release(request)
