@@ -156,8 +156,11 @@ class LLMEngine:
             request.num_computed_tokens += n
         outputs = []
         for request, token_id, logprobs in zip(batch.sampling_requests, result.sampled_token_ids, result.logprobs):
+            text_before = len(request.output_text)
             self._append_token(request, token_id, logprobs)
-            outputs.append(self._make_output(request))
+            kind = request.sampling_params.output_kind
+            if kind != "final_only" or request.is_finished:
+                outputs.append(self._make_output(request, text_before if kind == "delta" else None))
         for request in batch.sampling_requests:
             if request.is_finished:
                 self._release(request)
@@ -210,12 +213,17 @@ class LLMEngine:
         self.detokenizers.pop(request.request_id, None)
         self.hooks.hook.request_finished(request=request)
 
-    def _make_output(self, request: Request) -> RequestOutput:
+    def _make_output(self, request: Request, delta_from: int | None = None) -> RequestOutput:
+        """The request's output so far, or with ``delta_from`` only this step's token and new text."""
         finish_reason = request.status.value if request.is_finished else None
+        if delta_from is None:
+            text, token_ids, logprobs = request.output_text, list(request.output_token_ids), request.logprobs
+        else:
+            text, token_ids, logprobs = (request.output_text[delta_from:], request.output_token_ids[-1:],
+                                         request.logprobs[-1:] if request.logprobs is not None else None)
         completion = CompletionOutput(
-            index=0, text=request.output_text, token_ids=list(request.output_token_ids),
-            finish_reason=finish_reason, stop_reason=request.stop_reason,
-            logprobs=list(request.logprobs) if request.logprobs is not None else None,
+            index=0, text=text, token_ids=token_ids, finish_reason=finish_reason, stop_reason=request.stop_reason,
+            logprobs=list(logprobs) if logprobs is not None else None,
         )
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
                              [completion], request.is_finished)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 from hookllm.config import EngineConfig
@@ -51,6 +52,8 @@ class LLM:
         request_ids: list[str] = []
         try:
             for prompt, params in zip(prompts, sampling_params):
+                # Only the final output is needed here: skip building one every step.
+                params = dataclasses.replace(params, output_kind="final_only")
                 request_ids.append(self.engine.add_request(prompt, params))
         except ValueError as exc:
             for request_id in request_ids:

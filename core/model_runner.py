@@ -59,42 +59,42 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None  # set by the worker unless enforce_eager
 
     def build_inputs(self, batch: SchedulerOutput) -> ModelInputs:
-        counts = np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
-        starts = np.asarray([r.num_computed_tokens for r in batch.requests], dtype=np.int64)
-        query_start = np.zeros(len(counts) + 1, dtype=np.int64)
+        requests, counts_list = batch.requests, batch.num_scheduled_tokens
+        starts_list = [r.num_computed_tokens for r in requests]
+        token_ids: list[int] = []
+        for request, start, count in zip(requests, starts_list, counts_list):
+            token_ids += request.all_token_ids[start:start + count]
+        counts = np.asarray(counts_list, dtype=np.int64)
+        starts = np.asarray(starts_list, dtype=np.int64)
+        num_seqs, num_tokens = len(counts_list), len(token_ids)
+        query_start = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start[1:])
         seq_lens = starts + counts
-        num_tokens = int(query_start[-1])
         # positions: for each request, start .. start + count - 1, laid out flat.
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start[:-1] - starts, counts)
-        input_ids = np.concatenate([
-            np.asarray(r.all_token_ids[s:s + n], dtype=np.int64)
-            for r, s, n in zip(batch.requests, starts.tolist(), counts.tolist())
-        ])
-        max_blocks = max(len(r.block_ids) for r in batch.requests)
-        block_tables = np.zeros((len(counts), max_blocks), dtype=np.int32)
-        for row, request in enumerate(batch.requests):
-            block_tables[row, :len(request.block_ids)] = request.block_ids
-        token_rows = np.repeat(np.arange(len(counts)), counts)
-        slot_mapping = (block_tables[token_rows, positions // self.block_size].astype(np.int64)
-                        * self.block_size + positions % self.block_size)
-        sampling = starts + counts == np.asarray([r.num_tokens for r in batch.requests])
-        logits_indices = query_start[1:][sampling] - 1
-
-        def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            tensor = torch.from_numpy(array).to(dtype)
-            if self.device.type == "cuda":
-                tensor = tensor.pin_memory().to(self.device, non_blocking=True)
-            return tensor
-
+        max_blocks = max(len(r.block_ids) for r in requests)
+        block_tables = np.array([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in requests], dtype=np.int64)
+        token_rows = np.repeat(np.arange(num_seqs), counts)
+        slot_mapping = block_tables[token_rows, positions // self.block_size] * self.block_size + positions % self.block_size
+        logits_rows = np.flatnonzero(seq_lens == np.asarray([r.num_tokens for r in requests]))
+        logits_indices = query_start[1:][logits_rows] - 1
+        # One host->device copy for the whole step (pinned, asynchronous on CUDA).
+        parts = [np.asarray(token_ids, dtype=np.int64), positions, slot_mapping, logits_indices,
+                 seq_lens, query_start, block_tables.ravel()]
+        host = torch.from_numpy(np.concatenate(parts))
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        flat = host.to(self.device, non_blocking=True)
+        input_ids, positions_t, slots_t, logits_t, seq_lens_t, query_start_t, tables_t = flat.split(
+            [len(part) for part in parts])
         return ModelInputs(
-            input_ids=to_device(input_ids, torch.long),
-            positions=to_device(positions, torch.long),
-            slot_mapping=to_device(slot_mapping, torch.long),
-            block_tables=to_device(block_tables, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
-            query_start_loc=to_device(query_start, torch.int32),
-            logits_indices=to_device(logits_indices, torch.long),
+            input_ids=input_ids,
+            positions=positions_t,
+            slot_mapping=slots_t,
+            block_tables=tables_t.view(num_seqs, max_blocks).to(torch.int32),
+            seq_lens=seq_lens_t.to(torch.int32),
+            query_start_loc=query_start_t.to(torch.int32),
+            logits_indices=logits_t,
             query_start=query_start.tolist(),
             max_query_len=int(counts.max()),
             max_seq_len=int(seq_lens.max()),

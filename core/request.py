@@ -19,9 +19,10 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+
+FINISHED_STATUSES = frozenset(
+    (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+)
 
 
 @dataclass
@@ -73,7 +74,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status in FINISHED_STATUSES
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

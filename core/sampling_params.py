@@ -6,12 +6,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Invalid values raise ``ValueError`` when constructed.
 
     ``temperature=0`` is greedy. ``top_k`` <= 0 means no top-k. ``max_tokens=None`` runs to
-    the model's length limit. ``extra_args`` carries plugin-specific settings.
+    the model's length limit. ``extra_args`` carries plugin-specific settings. ``output_kind``
+    says what ``LLMEngine.step`` reports for the request: everything so far ("cumulative"),
+    only the step's new token and text ("delta"), or one output when it finishes
+    ("final_only", what ``LLM.generate`` uses).
     """
 
     max_tokens: int | None = 16
@@ -28,6 +34,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     n: int = 1
+    output_kind: str = "cumulative"  # what engine.step() reports: "cumulative", "delta" or "final_only"
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -38,6 +45,8 @@ class SamplingParams:
         self.extra_args = dict(self.extra_args or {})
         if self.n != 1:
             raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -29,6 +29,19 @@ from hookllm.scheduler import SchedulerOutput
 LOGITS_ATOL = 1e-4
 
 
+def tiny_llama_config(**overrides: Any) -> Any:
+    """A tiny Llama config with GQA (4 query heads, 2 KV heads); keyword arguments override fields."""
+    from transformers import LlamaConfig
+
+    fields = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
 def build_tiny_checkpoint(config: Any, path: str | Path, seed: int = 0, model_cls: Any = None) -> Path:
     """Instantiate ``config`` with random weights and ``save_pretrained`` it.
 

@@ -10,26 +10,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-from transformers import LlamaConfig
-
 from hookllm import LLM, testing
-
-
-def tiny_llama_config(**overrides) -> LlamaConfig:
-    fields = dict(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
-    )
-    fields.update(overrides)
-    return LlamaConfig(**fields)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A tiny random Llama with a trained byte-level BPE tokenizer, saved once per session."""
     path = tmp_path_factory.mktemp("tiny-llama")
-    testing.build_tiny_checkpoint(tiny_llama_config(), path)
+    testing.build_tiny_checkpoint(testing.tiny_llama_config(), path)
     testing.build_tiny_tokenizer(path)
     return path
 

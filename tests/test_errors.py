@@ -80,9 +80,7 @@ def test_pickle_checkpoints_are_refused(tiny_llama_dir, tmp_path):
 
 
 def test_text_prompt_without_tokenizer_is_refused_but_token_ids_work(tmp_path):
-    from conftest import tiny_llama_config
-
-    path = testing.build_tiny_checkpoint(tiny_llama_config(), tmp_path)
+    path = testing.build_tiny_checkpoint(testing.tiny_llama_config(), tmp_path)
     llm = LLM(str(path), device="cpu")
     with pytest.raises(ValueError, match="no tokenizer files; pass prompt_token_ids"):
         llm.generate("hello")

@@ -10,7 +10,6 @@ from hookllm import LLM, SamplingParams, testing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from conftest import tiny_llama_config  # noqa: E402
 
 
 def _bf16_reference(path):
@@ -22,7 +21,7 @@ def _bf16_reference(path):
 @pytest.fixture(scope="module")
 def small_llama(tmp_path_factory):
     # Big enough that bf16 rounding stays far below the logit gaps: hidden 256, 4 layers, GQA 4:1.
-    config = tiny_llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+    config = testing.tiny_llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048)
     return testing.build_tiny_checkpoint(config, tmp_path_factory.mktemp("gpu-llama"))
 

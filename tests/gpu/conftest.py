@@ -1,0 +1,12 @@
+import gc
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_memory():
+    """Each test's engines take a share of the GPU; free them before the next test sizes its cache."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
