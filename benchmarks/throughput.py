@@ -184,8 +184,20 @@ def main() -> None:
     path = random_checkpoint(args.shape, Path(args.root))
     weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     prompts, max_tokens = workload_a(args.num_requests)
+    limit = physical_limit(args.shape, prompts, max_tokens, weight_bytes)
+    n_peer = args.peer_requests or args.num_requests
     results: dict[str, dict] = {}
+    payload = {"device": device_name(), "date": now(), "commit": commit(),
+               "workload": f"A: {args.num_requests} requests, input/output uniform [100, 1024], ignore_eos"
+                           + (f"; peers on the first {n_peer}" if n_peer != args.num_requests else ""),
+               "model": args.shape, "results": results,
+               "physical_limit_output_tok_s": limit["output_tok_s"], "physical_limit_inputs": limit}
+
+    def save() -> None:  # after every engine, so a run cut short keeps what it measured
+        write_result(f"throughput-{args.shape}", payload)
+
     results["hookllm"], llm = run_hookllm(path, prompts, max_tokens, False, args)
+    save()
     if args.latency_rate:
         results["hookllm"]["latency"] = run_latency(llm, prompts, max_tokens, args.latency_rate, args.latency_requests)
     del llm
@@ -193,10 +205,10 @@ def main() -> None:
     torch.cuda.empty_cache()
     if args.eager_too:
         results["hookllm_eager"], llm = run_hookllm(path, prompts, max_tokens, True, args)
+        save()
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    n_peer = args.peer_requests or args.num_requests
     peers = [("transformers_cb", args.skip_cb, lambda: run_transformers_cb(path, prompts[:n_peer], max_tokens[:n_peer])),
              ("transformers_static", args.skip_static,
               lambda: run_transformers_static(path, prompts[:n_peer], max_tokens[:n_peer], args.static_batch_size))]
@@ -208,15 +220,9 @@ def main() -> None:
         except Exception as exc:  # a peer's failure is reported, never hides hookllm's numbers
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"{name} failed: {results[name]['error']}", flush=True)
+        save()
         gc.collect()
         torch.cuda.empty_cache()
-    limit = physical_limit(args.shape, prompts, max_tokens, weight_bytes)
-    payload = {"device": device_name(), "date": now(), "commit": commit(),
-               "workload": f"A: {args.num_requests} requests, input/output uniform [100, 1024], ignore_eos"
-                           + (f"; peers on the first {n_peer}" if n_peer != args.num_requests else ""),
-               "model": args.shape, "results": results,
-               "physical_limit_output_tok_s": limit["output_tok_s"], "physical_limit_inputs": limit}
-    write_result(f"throughput-{args.shape}", payload)
     ours = results["hookllm"]["output_tok_s"]
     print(f"\n{args.shape} on {payload['device']} ({payload['commit']}); physical limit "
           f"{limit['output_tok_s']:.0f} tok/s = sum(max_tokens) / ((steps * weight_bytes + sum KV bytes) / 4.3e12)")

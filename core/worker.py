@@ -57,20 +57,20 @@ class Worker:
         return per_token * self.config.block_size * torch.empty(0, dtype=self.dtype).element_size()
 
     def _blocks_from_memory(self) -> int:
+        """CPU: ``cpu_kv_cache_bytes``. CUDA: this engine may use ``gpu_memory_utilization`` of
+        the device in all (weights + peak activations + KV cache), within what is free now."""
         if self.device.type != "cuda":
             return max(1, self.config.cpu_kv_cache_bytes // self.block_bytes)
+        weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        activation_bytes = self._profile_activation_bytes()
         free, total = torch.cuda.mem_get_info(self.device)
-        # Peak activation memory isn't known without a profiling forward; the model's weights
-        # are already resident, so leave room for activations at the largest batch.
-        torch.cuda.synchronize(self.device)
-        used_now = total - free
-        activation_reserve = self._profile_activation_bytes()
-        budget = total * self.config.gpu_memory_utilization - used_now - activation_reserve
+        budget = min(total * self.config.gpu_memory_utilization - weight_bytes - activation_bytes,
+                     free - activation_bytes)
         if budget < self.block_bytes:
             raise ValueError(
-                f"no GPU memory left for the KV cache: {used_now / 2**30:.1f} GiB in use, "
-                f"{activation_reserve / 2**30:.1f} GiB for activations, gpu_memory_utilization="
-                f"{self.config.gpu_memory_utilization}"
+                f"no GPU memory left for the KV cache: weights {weight_bytes / 2**30:.1f} GiB, activations "
+                f"{activation_bytes / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free of {total / 2**30:.1f}, "
+                f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
             )
         return int(budget // self.block_bytes)
 

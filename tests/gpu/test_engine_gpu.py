@@ -20,9 +20,9 @@ def _bf16_reference(path):
 
 @pytest.fixture(scope="module")
 def small_llama(tmp_path_factory):
-    # Big enough that bf16 rounding stays far below the logit gaps: hidden 256, 4 layers, GQA 4:1.
+    # Large enough for realistic kernel tiles: hidden 256, 4 layers, GQA 4:1, contexts up to 2048.
     config = testing.tiny_llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                               num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048)
+                                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048)
     return testing.build_tiny_checkpoint(config, tmp_path_factory.mktemp("gpu-llama"))
 
 
@@ -36,30 +36,33 @@ def test_defaults_on_cuda_are_bf16_triton_and_a_memory_sized_cache(small_llama):
     assert free / total < 0.2  # the cache took its share (gpu_memory_utilization=0.9)
 
 
-def test_first_tokens_and_logits_match_transformers_bf16(small_llama):
-    reference = _bf16_reference(small_llama)
+def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16_and_first_tokens_match(small_llama):
+    # bf16 rounding alone moves a random model's logits by several percent, so hookllm's bf16
+    # error against the fp32 reference is held to transformers' own bf16 error on the same weights.
+    fp32 = testing.load_reference(small_llama).cuda()
+    bf16 = _bf16_reference(small_llama)
     llm = LLM(str(small_llama), gpu_memory_utilization=0.3)
-    prompts = testing.random_prompts(6, 320, min_len=20, max_len=300, seed=11)
-    for prompt in prompts:
+    for prompt in testing.random_prompts(6, 320, min_len=20, max_len=300, seed=11):
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.inference_mode():
+            exact = fp32(ids).logits[0].float()
+            theirs = bf16(ids).logits[0].float()
         ours = testing.prompt_logits(llm, prompt).cuda()
-        with torch.inference_mode():
-            theirs = reference(torch.tensor([prompt], device="cuda")).logits[0].float()
-        rel = ((ours - theirs).norm() / theirs.norm()).item()
-        assert rel < 2e-2, f"bf16 logits differ by {rel:.3g} relative"
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], testing.greedy(4))
-    for prompt, out in zip(prompts, outs):
-        with torch.inference_mode():
-            ids = torch.tensor([prompt], device="cuda")
-            expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
-                                          do_sample=False, eos_token_id=None, pad_token_id=0)[0, -1].item()
-        assert out.outputs[0].token_ids[0] == expected
+        ours_error = ((ours - exact).norm() / exact.norm()).item()
+        theirs_error = ((theirs - exact).norm() / exact.norm()).item()
+        assert ours_error < 1.5 * theirs_error + 1e-3, f"hookllm bf16 error {ours_error:.3g} vs transformers {theirs_error:.3g}"
+        top2 = exact[-1].topk(2).values
+        if (top2[0] - top2[1]).item() > 0.5:  # a clear winner: both bf16 engines must pick it
+            assert ours[-1].argmax().item() == theirs[-1].argmax().item() == exact[-1].argmax().item()
 
 
 def test_cuda_graphs_and_eager_give_identical_greedy_tokens(small_llama):
     prompts = [{"prompt_token_ids": p} for p in testing.random_prompts(40, 320, min_len=5, max_len=200, seed=12)]
-    graphs = LLM(str(small_llama), gpu_memory_utilization=0.3, max_num_batched_tokens=512)
+    # fp32: in bf16 a padded graph batch picks other GEMM tiles than the eager one and flips near-ties.
+    graphs = LLM(str(small_llama), gpu_memory_utilization=0.3, max_num_batched_tokens=512, dtype="float32")
     assert graphs.engine.worker.runner.cuda_graphs is not None
-    eager = LLM(str(small_llama), gpu_memory_utilization=0.3, max_num_batched_tokens=512, enforce_eager=True)
+    eager = LLM(str(small_llama), gpu_memory_utilization=0.3, max_num_batched_tokens=512, enforce_eager=True,
+                dtype="float32")
     assert eager.engine.worker.runner.cuda_graphs is None
     ours = [o.outputs[0].token_ids for o in graphs.generate(prompts, testing.greedy(24))]
     theirs = [o.outputs[0].token_ids for o in eager.generate(prompts, testing.greedy(24))]
@@ -67,7 +70,8 @@ def test_cuda_graphs_and_eager_give_identical_greedy_tokens(small_llama):
 
 
 def test_batched_equals_alone_on_cuda(small_llama):
-    llm = LLM(str(small_llama), gpu_memory_utilization=0.3, max_num_batched_tokens=128, num_kv_blocks=40)
+    llm = LLM(str(small_llama), gpu_memory_utilization=0.3, max_num_batched_tokens=128, num_kv_blocks=40,
+              dtype="float32")
     testing.assert_batch_invariant(llm, testing.random_prompts(24, 320, min_len=5, max_len=120, seed=13), 16)
 
 
