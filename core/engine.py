@@ -11,12 +11,12 @@ from typing import Any
 import torch
 
 from hookllm.block_manager import BlockManager
-from hookllm.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from hookllm.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, text_config_of
 from hookllm.outputs import CompletionOutput, RequestOutput
 from hookllm.plugins.manager import PluginManager
 from hookllm.request import Request, RequestStatus
 from hookllm.sampling_params import SamplingParams
-from hookllm.scheduler import Scheduler, SchedulerOutput
+from hookllm.scheduler import Scheduler
 from hookllm.tokenizer import IncrementalDetokenizer, load_tokenizer
 from hookllm.worker import Worker
 
@@ -51,7 +51,7 @@ class LLMEngine:
     def _eos_token_ids(self) -> set[int]:
         """EOS ids from config.json (possibly several), generation_config.json and the tokenizer."""
         ids: set[int] = set()
-        sources = [self.model_config.hf_config, getattr(self.model_config.hf_config, "text_config", None)]
+        sources = [self.model_config.hf_config, text_config_of(self.model_config.hf_config)]
         generation_config = Path(self.config.model) / "generation_config.json"
         if generation_config.exists():
             sources.append(SimpleNamespace(**json.loads(generation_config.read_text())))
@@ -109,15 +109,11 @@ class LLMEngine:
                 )
             token_ids = self.tokenizer(text)["input_ids"] if text else []
         token_ids = [int(t) for t in token_ids]
-        vocab = getattr(self._text_config(), "vocab_size", None)
+        vocab = getattr(text_config_of(self.model_config.hf_config), "vocab_size", None)
         if vocab is not None and any(t < 0 or t >= vocab for t in token_ids):
             raise ValueError(f"request {request_id}: prompt token ids must be in [0, {vocab})")
         return Request(request_id, token_ids, params, prompt=text,
                        multi_modal_data=prompt.get("multi_modal_data"))
-
-    def _text_config(self) -> Any:
-        hf = self.model_config.hf_config
-        return getattr(hf, "text_config", None) or hf
 
     def _check_limits(self, request: Request) -> None:
         rid, n = request.request_id, request.num_prompt_tokens

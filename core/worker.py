@@ -11,6 +11,7 @@ from torch import nn
 
 from hookllm.config import EngineConfig, ModelConfig, resolve_device, text_config_of
 from hookllm.cuda_graph import CudaGraphRunner
+from hookllm.forward_context import AttentionMetadata, set_forward_context
 from hookllm.kernels import get_attention_backend, resolve_attention_backend
 from hookllm.layers.attention import Attention
 from hookllm.model_runner import ModelRunner, StepOutput
@@ -80,8 +81,6 @@ class Worker:
         block_size = self.config.block_size
         num_blocks = -(-num_tokens // block_size)
         self._allocate_kv_cache(num_blocks)
-        from hookllm.forward_context import AttentionMetadata, set_forward_context
-
         # One long sequence covering the batch: the same activation shapes as any mix of that size.
         metadata = AttentionMetadata(
             slot_mapping=torch.arange(num_tokens, device=self.device),

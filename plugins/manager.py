@@ -8,9 +8,7 @@ can be listed and reported when selected, and never takes down the others.
 
 from __future__ import annotations
 
-import importlib
 import os
-import traceback
 from dataclasses import dataclass, field
 from importlib import metadata
 from types import ModuleType
@@ -32,7 +30,6 @@ class PluginInfo:
     distribution: str = ""
     version: str = ""
     error: str | None = None
-    error_traceback: str | None = None
     hooks: list[str] = field(default_factory=list)
     architectures: list[str] = field(default_factory=list)
 
@@ -78,7 +75,6 @@ def discover_plugins() -> dict[str, PluginInfo]:
         except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
             info.module = None
             info.error = f"{type(exc).__name__}: {exc}"
-            info.error_traceback = traceback.format_exc()
         plugins[ep.name] = info
     return plugins
 
@@ -160,9 +156,3 @@ class HookCaller:
             if result is not None:
                 return result, impl.plugin_name
         return None, None
-
-    def has_impl(self, hook_name: str, exclude_core: bool = True) -> bool:
-        return any(
-            impl.plugin_name != CORE_PLUGIN or not exclude_core
-            for impl in getattr(self.hook, hook_name).get_hookimpls()
-        )

@@ -1,7 +1,6 @@
 """The default model (SmolLM2-135M-Instruct, real weights) matches transformers token for token."""
 
 import pytest
-import torch
 
 from hookllm import LLM, SamplingParams, testing
 from hookllm.default_model import default_model_dir
