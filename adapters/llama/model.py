@@ -24,7 +24,7 @@ def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, rotary_emb: nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -35,8 +35,7 @@ class DecoderAttention(nn.Module):
             config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
-        base, scaling = rope_settings(config)
-        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, base, scaling)
+        self.rotary_emb = rotary_emb
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
@@ -65,9 +64,9 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, rotary_emb: nn.Module):
         super().__init__()
-        self.self_attn = DecoderAttention(config, qkv_bias, qk_norm)
+        self.self_attn = DecoderAttention(config, qkv_bias, qk_norm, rotary_emb)
         self.mlp = DecoderMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -89,8 +88,12 @@ class DecoderModel(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # One cos/sin table shared by every layer (it is max_position x head_dim floats).
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        base, scaling = rope_settings(config)
+        rotary_emb = get_rope(head_dim, config.max_position_embeddings, base, scaling)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, qkv_bias, qk_norm, rotary_emb) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
