@@ -14,10 +14,6 @@ import torch
 from hookllm.request import Request
 
 
-def _as_tensor(values: list, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(like.device, non_blocking=True)
-
-
 def apply_top_k_top_p_min_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
@@ -42,26 +38,27 @@ def apply_top_k_top_p_min_p(
 
 def sample(logits: torch.Tensor, requests: Sequence[Request], generator: torch.Generator | None) -> torch.Tensor:
     """One token id per row of ``logits`` for the matching request in ``requests``."""
-    params = [r.sampling_params for r in requests]
-    greedy = logits.argmax(dim=-1)
-    if all(p.temperature == 0.0 for p in params):
-        return greedy
-    temperature = _as_tensor([p.temperature or 1.0 for p in params], logits, logits.dtype)
-    logits = logits / temperature[:, None]
-    needs_filter = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+    # One host table and one copy for the whole batch: temperature, top_k, top_p, min_p.
+    params = torch.tensor(
+        [(p.temperature, p.top_k, p.top_p, p.min_p) for p in (r.sampling_params for r in requests)],
+        dtype=torch.float32,
+    )
+    is_greedy = params[:, 0] == 0.0
+    if bool(is_greedy.all()):
+        return logits.argmax(dim=-1)
+    needs_filter = bool(((params[:, 1] > 0) | (params[:, 2] < 1.0) | (params[:, 3] > 0.0)).any())
+    params = params.to(logits.device, non_blocking=True)
+    temperature = torch.where(params[:, 0] > 0, params[:, 0], 1.0)
+    scaled = logits / temperature[:, None]
     if needs_filter:
-        logits = apply_top_k_top_p_min_p(
-            logits,
-            _as_tensor([p.top_k for p in params], logits, torch.long),
-            _as_tensor([p.top_p for p in params], logits, logits.dtype),
-            _as_tensor([p.min_p for p in params], logits, logits.dtype),
-        )
-    probs = logits.softmax(dim=-1)
+        scaled = apply_top_k_top_p_min_p(scaled, params[:, 1].long(), params[:, 2], params[:, 3])
+    probs = scaled.softmax(dim=-1)
     q = torch.empty_like(probs).exponential_(generator=generator)
     for row, request in enumerate(requests):
         if request.generator is not None:
             # Drawn on the CPU, so a seed gives the same tokens on every device.
             q[row] = torch.empty(q.shape[-1]).exponential_(generator=request.generator).to(q.device)
     sampled = probs.div_(q).argmax(dim=-1)
-    is_greedy = _as_tensor([p.temperature == 0.0 for p in params], logits, torch.bool)
-    return torch.where(is_greedy, greedy, sampled)
+    if not bool(is_greedy.any()):
+        return sampled
+    return torch.where(is_greedy.to(logits.device, non_blocking=True), logits.argmax(dim=-1), sampled)
