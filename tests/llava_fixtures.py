@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
@@ -128,3 +129,14 @@ def prompt_logits_chunked(llm, prompt: str, images: list[Image.Image], chunk: in
         engine.block_manager.free(request)
         engine.hooks.hook.request_finished(request=request)
     return torch.cat(logits)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random LLaVA with a word-level tokenizer, saved once per test module."""
+    return save_checkpoint(tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return load_reference(checkpoint)

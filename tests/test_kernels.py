@@ -16,6 +16,10 @@ if torch.cuda.is_available():
     pytest.skip("CUDA machine: the GPU kernel tests cover these kernels", allow_module_level=True)
 
 
+# Every output (and split-K partial) starts as NaN: an element nothing wrote cannot pass.
+pytestmark = pytest.mark.usefixtures("poisoned_empty")
+
+
 def test_kernels_run_under_the_interpreter():
     assert type(triton_attention._paged_attention_kernel).__name__ == "InterpretedFunction"
 
@@ -72,18 +76,6 @@ def run_with(batch: dict, num_splits: int = 1, config: triton_attention.Attentio
         config = triton_attention.default_config(head_dim, group, batch["max_query_len"])
     args = {k: v for k, v in batch.items() if k != "max_seq_len"}
     return triton_attention.paged_attention_with(**args, num_splits=num_splits, config=config)
-
-
-@pytest.fixture(autouse=True)
-def poison_empty(monkeypatch):
-    """Outputs start as NaN instead of whatever memory torch.empty returns."""
-    real_empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(triton_attention.torch, "empty", nan_empty)
 
 
 def test_store_kv_writes_slots_and_skips_negative_ones():

@@ -5,12 +5,12 @@ import contextlib
 import io
 
 import pytest
-from llava_fixtures import (
-    load_reference,
+from llava_fixtures import (  # noqa: F401 - checkpoint and reference are fixtures
+    checkpoint,
+    reference,
     random_image,
     reference_greedy,
     reference_inputs,
-    save_checkpoint,
 )
 from transformers import LlamaConfig
 
@@ -19,16 +19,6 @@ from hookllm.cli import main as cli_main
 
 PROMPT = "USER: <image> What is this? ASSISTANT:"
 IMAGES = [random_image(40, 30, seed=1), random_image(25, 50, seed=2), random_image(60, 20, seed=3)]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return save_checkpoint(tmp_path_factory.mktemp("llava"))
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    return load_reference(checkpoint)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,9 @@
 
 import pytest
 import torch
-from llava_fixtures import (
+from llava_fixtures import (  # noqa: F401 - checkpoint and reference are fixtures
+    checkpoint,
+    reference,
     load_reference,
     prompt_logits_chunked,
     random_image,
@@ -18,16 +20,6 @@ from hookllm import LLM, testing
 ONE_IMAGE = "USER: <image> What is this? ASSISTANT:"  # 25 tokens, image rows 3..18
 TWO_IMAGES = "USER: <image> compare <image> two images ASSISTANT:"
 IMAGES = [random_image(40, 30, seed=1), random_image(25, 50, seed=2)]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return save_checkpoint(tmp_path_factory.mktemp("llava"))
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    return load_reference(checkpoint)
 
 
 def make_llm(path, **kwargs):
