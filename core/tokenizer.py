@@ -20,23 +20,34 @@ def load_tokenizer(path: str) -> Any | None:
 class IncrementalDetokenizer:
     """Appends the text of each new token without re-decoding the whole output.
 
-    Decodes a short window of trailing tokens and emits only the new suffix, holding text back
-    while it ends in an incomplete UTF-8 sequence (U+FFFD), as byte-level BPE can split a
-    character across tokens.
+    Fast (``tokenizers``-backed) tokenizers use its ``DecodeStream``, which holds back bytes
+    until a character completes (about 0.7 us a token). Others decode a short window of
+    trailing tokens and emit the new suffix, holding text back while it ends in U+FFFD. Both
+    are primed with the prompt's last tokens so the first word's spacing is right.
     """
+
+    PRIMING_TOKENS = 6
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids = list(prompt_token_ids[-6:])  # context so the first word's spacing is right
-        self.prefix_offset = 0
-        self.read_offset = len(self.token_ids)
+        context = list(prompt_token_ids[-self.PRIMING_TOKENS:])
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        if self.backend is not None:
+            from tokenizers.decoders import DecodeStream
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+            self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            for token_id in context:
+                self.stream.step(self.backend, token_id)
+        else:
+            self.token_ids = context
+            self.prefix_offset = 0
+            self.read_offset = len(context)
 
     def add(self, token_id: int) -> str:
         """The text that token adds (possibly empty until a character completes)."""
+        if self.backend is not None:
+            return self.stream.step(self.backend, token_id) or ""
         self.token_ids.append(token_id)
         prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.token_ids[self.prefix_offset:])
@@ -45,3 +56,6 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.token_ids)
             return full[len(prefix):]
         return ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
