@@ -105,17 +105,17 @@ class ModelRunner:
         """Build the inputs, let plugins adjust them, run the model: hidden states of every row."""
         inputs = self.build_inputs(batch)
         self.hooks.hook.prepare_inputs(batch=batch, inputs=inputs, model=self.model)
-        metadata = AttentionMetadata(
-            slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables, seq_lens=inputs.seq_lens,
-            query_start_loc=inputs.query_start_loc, max_query_len=inputs.max_query_len,
-            max_seq_len=inputs.max_seq_len, backend=self.attention_backend,
-        )
         graphs = self.cuda_graphs
         if (graphs is not None and inputs.inputs_embeds is None
                 and graphs.can_run(len(batch.requests), inputs.max_query_len, inputs.block_tables.shape[1])):
             hidden_states = graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping,
                                        inputs.block_tables, inputs.seq_lens)
             return hidden_states, inputs
+        metadata = AttentionMetadata(
+            slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables, seq_lens=inputs.seq_lens,
+            query_start_loc=inputs.query_start_loc, max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len, backend=self.attention_backend,
+        )
         with set_forward_context(metadata):
             hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.inputs_embeds)
         return hidden_states, inputs
@@ -125,7 +125,10 @@ class ModelRunner:
         hidden_states, inputs = self.forward(batch)
         if inputs.logits_indices.numel() == 0:
             return StepOutput([], [])
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices]).float()
+        # In a decode-only step every row samples: no gather needed.
+        if len(batch.sampling_requests) < hidden_states.shape[0]:
+            hidden_states = hidden_states[inputs.logits_indices]
+        logits = self.model.compute_logits(hidden_states).float()
         self.hooks.hook.process_logits(logits=logits, batch=batch)
         sampled, plugin = self.hooks.call_first("sample", logits=logits, batch=batch)
         self._check_sampled(sampled, plugin, logits.shape[0])
