@@ -52,9 +52,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     else:
         prompts = [{"prompt": p, "multi_modal_data": {"image": images}} if images else p for p in args.prompts]
         outputs = llm.generate(prompts, params, use_tqdm=many)
-    for output in outputs:
+    for prompt, output in zip(args.prompts, outputs):
         if many:
-            print(f"--- {output.prompt!r}")
+            print(f"--- {prompt}")
         print(output.outputs[0].text)
     return 0
 

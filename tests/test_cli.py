@@ -34,3 +34,13 @@ def test_plugins_lists_the_bundled_adapters(capsys):
 def test_default_model_answers_paris(capsys):
     assert main(["generate", "--max-tokens", "32", "What is the capital of France?"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_generate_with_several_prompts_heads_each_answer_with_its_prompt(tiny_llama_dir, capsys):
+    llm = testing.LLM(str(tiny_llama_dir), device="cpu")
+    prompts = ["Paris is", "The quick brown"]
+    answers = [o.outputs[0].text for o in llm.generate(prompts, testing.greedy(4))]
+    argv = ["generate", "--model", str(tiny_llama_dir), "--max-tokens", "4", "--no-chat", "--device", "cpu", *prompts]
+    assert main(argv) == 0
+    expected = "".join(f"--- {p}\n{a}\n" for p, a in zip(prompts, answers))
+    assert capsys.readouterr().out == expected
