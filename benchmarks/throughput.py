@@ -111,13 +111,30 @@ def run_latency(llm, prompts, max_tokens, rate: float, num_requests: int) -> dic
             "tpot_p50_ms": 1e3 * float(np.percentile(tpot, 50)), "tpot_p99_ms": 1e3 * float(np.percentile(tpot, 99))}
 
 
-def run_transformers_cb(path: Path, prompts, max_tokens) -> dict:
-    from transformers import AutoModelForCausalLM, GenerationConfig
+def load_transformers(path: Path):
+    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, device_map="cuda",
-                                                 attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, device_map="cuda",
+                                                attn_implementation="sdpa").eval()
+
+
+def timed_peer(name: str, run, prompts, max_tokens) -> dict:
+    """Warm ``run(prompts, max_tokens)`` up on two short requests, then time it on the workload."""
+    run(prompts[:2], [8, 8])
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    run(prompts, max_tokens)
+    torch.cuda.synchronize()
+    return summarize(name, time.perf_counter() - start, prompts, max_tokens)
+
+
+def run_transformers_cb(path: Path, prompts, max_tokens) -> dict:
+    from transformers import GenerationConfig
+
+    model = load_transformers(path)
     config = GenerationConfig(max_new_tokens=max(max_tokens), do_sample=True, temperature=0.6, eos_token_id=None,
                               pad_token_id=0)
+
     def run(batch_prompts, batch_max):
         with model.continuous_batching_context_manager(generation_config=config) as manager:
             for i, (p, n) in enumerate(zip(batch_prompts, batch_max)):
@@ -126,21 +143,13 @@ def run_transformers_cb(path: Path, prompts, max_tokens) -> dict:
             while received < len(batch_prompts):
                 if manager.get_result(timeout=1) is not None:
                     received += 1
-    run(prompts[:2], [8, 8])  # warm-up
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    run(prompts, max_tokens)
-    torch.cuda.synchronize()
-    row = summarize("transformers_cb", time.perf_counter() - start, prompts, max_tokens)
-    del model
-    return row
+
+    return timed_peer("transformers_cb", run, prompts, max_tokens)
 
 
 def run_transformers_static(path: Path, prompts, max_tokens, batch_size: int) -> dict:
-    from transformers import AutoModelForCausalLM
+    model = load_transformers(path)
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, device_map="cuda",
-                                                 attn_implementation="sdpa").eval()
     def run(batch_prompts, batch_max):
         for b in range(0, len(batch_prompts), batch_size):
             chunk, chunk_max = batch_prompts[b:b + batch_size], batch_max[b:b + batch_size]
@@ -154,14 +163,8 @@ def run_transformers_static(path: Path, prompts, max_tokens, batch_size: int) ->
             model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=max(chunk_max),
                            min_new_tokens=max(chunk_max), do_sample=True, temperature=0.6, eos_token_id=None,
                            pad_token_id=0)
-    run(prompts[:2], [8, 8])
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    run(prompts, max_tokens)
-    torch.cuda.synchronize()
-    row = summarize("transformers_static", time.perf_counter() - start, prompts, max_tokens)
-    del model
-    return row
+
+    return timed_peer("transformers_static", run, prompts, max_tokens)
 
 
 def main() -> None:
