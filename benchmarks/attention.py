@@ -19,11 +19,8 @@ Writes JSON to $OUT/attention.json when $OUT is set, else to benchmarks/results/
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
-import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,7 +30,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hookllm.kernels import triton_attention as ta
 
-PEAK_BYTES_PER_S = 4.3e12
+sys.path.insert(0, str(Path(__file__).parent))
+from common import HBM_BYTES_PER_S as PEAK_BYTES_PER_S, commit, device_name, now, write_result  # noqa: E402
+
 MODELS = {  # name: (num_heads, num_kv_heads, head_dim)
     "Llama-3.2-1B": (32, 8, 64),
     "Llama-3.1-8B": (32, 8, 128),
@@ -216,13 +215,6 @@ def tune() -> dict:
     return results
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "uncommitted"
-
-
 def tables(decode: list[dict], prefill: list[dict]) -> str:
     lines = ["| model | batch | context | splits | GPU time (us) | GB/s | of 4.3 TB/s | eager call (us) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -247,8 +239,8 @@ def main() -> None:
     seq_counts, token_counts = ([4], [2048]) if args.quick else ([1, 4, 16], [512, 1024, 2048, 4096])
 
     result: dict = dict(
-        device=torch.cuda.get_device_name(),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=device_name(),
+        date=now(),
         commit=commit(),
         torch=torch.__version__,
         triton=triton.__version__,
@@ -272,9 +264,7 @@ def main() -> None:
                 print("prefill", prefill[-1], flush=True)
     result.update(decode=decode, prefill=prefill)
 
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "attention.json").write_text(json.dumps(result, indent=1))
+    write_result("attention", result)
     print(f"\n{result['device']}  {result['date']}  commit {result['commit']}\n")
     print(tables(decode, prefill))
 

@@ -117,9 +117,7 @@ def run_transformers(path: Path, images: list[Image.Image], args) -> dict:
         start = time.perf_counter()
         run(images, args.output_tokens)
         torch.cuda.synchronize()
-    row = summarize("transformers", time.perf_counter() - start, len(images), args.output_tokens)
-    del model
-    return row
+    return summarize("transformers", time.perf_counter() - start, len(images), args.output_tokens)
 
 
 def main() -> None:
