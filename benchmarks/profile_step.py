@@ -1,10 +1,10 @@
 """Where a decode step's time goes: host work versus GPU kernels (run on the GPU machine).
 
-Fills the engine with workload A's requests, runs until every request is decoding, then
-profiles N decode steps with torch.profiler: wall time per step, GPU busy time per step
-(sum of kernel times), the host time spent in each part of the step, and the top kernels.
+Fills the engine with workload A's requests, runs until every request is decoding, then times
+N decode steps three times: plain (wall time per step), with host timers around each part of
+the step, and under torch.profiler (GPU busy time per step = sum of kernel times, top kernels).
 
-    python benchmarks/profile_step.py --shape llama-3.2-1b --steps 30
+    python benchmarks/profile_step.py --shape llama-3.2-1b --steps 30 [--sync]
 """
 
 from __future__ import annotations
@@ -22,25 +22,28 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import SHAPES, commit, device_name, now, random_checkpoint, write_result  # noqa: E402
 from throughput import workload_a  # noqa: E402
 
-# Host-side parts of LLMEngine.step, timed by wrapping these methods.
+from hookllm.model_runner import StepOutput  # noqa: E402
+
+# Host-side parts of LLMEngine.step, timed by wrapping these methods (owner path, method).
+# "forward" contains "build_inputs"; "process outputs" contains "wait for tokens".
 PARTS = {
     "schedule": ("scheduler", "schedule"),
+    "forward (build inputs + launch or replay)": ("worker.runner", "forward"),
     "build_inputs": ("worker.runner", "build_inputs"),
-    "forward (launch or replay)": ("worker.runner", "forward"),
-    "sample hook": ("hooks", "call_first"),
+    "sample hook (launch)": ("hooks", "call_first"),
+    "process outputs": ("", "_process"),
+    "wait for tokens": (StepOutput, "resolve"),
 }
 
 
-def _resolve(root, dotted):
-    for attr in dotted.split("."):
-        root = getattr(root, attr)
-    return root
-
-
-def instrument(engine, totals):
+def instrument(engine, totals) -> None:
     """Wrap each part's method with a host timer accumulating into ``totals``."""
     for name, (owner, method) in PARTS.items():
-        target = _resolve(engine, owner)
+        target = owner
+        if isinstance(owner, str):
+            target = engine
+            for attr in filter(None, owner.split(".")):
+                target = getattr(target, attr)
         original = getattr(target, method)
 
         def timed(*args, _original=original, _name=name, **kwargs):
@@ -53,18 +56,29 @@ def instrument(engine, totals):
         setattr(target, method, timed)
 
 
+def timed_steps(engine, steps: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
     parser.add_argument("--root", default="/tmp/hookllm-bench")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--sync", action="store_true", help="async_scheduling=False")
     args = parser.parse_args()
 
     from hookllm import LLM, SamplingParams
 
     path = random_checkpoint(args.shape, Path(args.root))
-    llm = LLM(str(path), max_model_len=2048 + 64, max_num_seqs=256, max_num_batched_tokens=8192)
+    llm = LLM(str(path), max_model_len=2048 + 64, max_num_seqs=256, max_num_batched_tokens=8192,
+              async_scheduling=not args.sync)
     engine = llm.engine
     prompts, _ = workload_a(args.num_requests)
     for prompt in prompts:
@@ -74,27 +88,27 @@ def main() -> None:
         engine.step()
     for _ in range(5):
         engine.step()  # warm the decode path
+    # Host parts without the profiler (CUPTI slows graph launches), then GPU time under it.
+    plain_ms = 1e3 * timed_steps(engine, args.steps)
     totals: dict[str, float] = defaultdict(float)
     instrument(engine, totals)
-    torch.cuda.synchronize()
+    wall_ms = 1e3 * timed_steps(engine, args.steps)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - start
+        timed_steps(engine, args.steps)
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
     gpu_total = sum(e.self_device_time_total for e in kernels) / 1e6
     batch = len(engine.scheduler.running)
-    rows = {"wall_ms_per_step": 1e3 * wall / args.steps, "gpu_busy_ms_per_step": 1e3 * gpu_total / args.steps,
-            "batch": batch, **{f"host_ms_{k}": 1e3 * v / args.steps for k, v in totals.items()}}
+    rows = {"wall_ms_per_step": plain_ms, "wall_ms_per_step_timed_parts": wall_ms,
+            "gpu_busy_ms_per_step": 1e3 * gpu_total / args.steps, "batch": batch,
+            **{f"host_ms_{k}": 1e3 * v / args.steps for k, v in totals.items()}}
     top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:12]
     payload = {"device": device_name(), "date": now(), "commit": commit(), "model": args.shape, "per_step": rows,
                "top_kernels_us_per_step": {e.key[:80]: e.self_device_time_total / args.steps for e in top}}
-    write_result(f"profile-{args.shape}", payload)
-    print(f"\n{args.shape}, {batch} running requests, {args.steps} decode steps ({payload['commit']})")
+    mode = "sync" if args.sync else "async"
+    write_result(f"profile-{args.shape}-{mode}", payload)
+    print(f"\n{args.shape}, {batch} running requests, {args.steps} decode steps, {mode} ({payload['commit']})")
     for key, value in rows.items():
-        print(f"  {key:<40}{value:>10.2f}")
+        print(f"  {key:<52}{value:>10.2f}")
     print("  top kernels (us per step):")
     for name, us in payload["top_kernels_us_per_step"].items():
         print(f"    {us:>9.1f}  {name}")

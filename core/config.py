@@ -98,6 +98,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # CUDA only: no CUDA graphs for decode steps
     max_cuda_graph_batch_size: int = 512
+    # Schedule step n+1 while the device runs step n (outputs lag one step). None: on for CUDA.
+    async_scheduling: bool | None = None
     seed: int = 0
     tokenizer: str | None = None
 

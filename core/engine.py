@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,8 +17,9 @@ from hookllm.outputs import CompletionOutput, RequestOutput
 from hookllm.plugins.manager import PluginManager
 from hookllm.request import Request, RequestStatus
 from hookllm.sampling_params import SamplingParams
-from hookllm.scheduler import Scheduler
+from hookllm.scheduler import Scheduler, SchedulerOutput
 from hookllm.tokenizer import IncrementalDetokenizer, load_tokenizer
+from hookllm.model_runner import StepOutput
 from hookllm.worker import Worker
 
 
@@ -43,6 +45,10 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.eos_token_ids = self._eos_token_ids()
+        # Launched steps whose tokens are not read yet: at most one more than max_in_flight.
+        self.in_flight: deque[tuple[SchedulerOutput, StepOutput]] = deque()
+        async_scheduling = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
+        self.max_in_flight = 1 if async_scheduling else 0
 
     @property
     def active_plugins(self) -> list[str]:
@@ -124,12 +130,12 @@ class LLMEngine:
             raise ValueError(f"request {rid}: the prompt has {n} tokens, max_model_len is {max_len} "
                              "(it must leave room for at least one output token)")
         max_tokens = request.sampling_params.max_tokens
-        longest = min(n + max_tokens, max_len) if max_tokens is not None else max_len
-        needed = self.block_manager.blocks_needed(longest)
+        request.max_num_tokens = min(n + max_tokens, max_len) if max_tokens is not None else max_len
+        needed = self.block_manager.blocks_needed(request.max_num_tokens)
         if needed > self.block_manager.num_blocks:
             raise ValueError(
-                f"request {rid}: prompt plus max_tokens ({longest} tokens) needs {needed} KV blocks, "
-                f"but the cache has only {self.block_manager.num_blocks} blocks of {self.config.block_size}"
+                f"request {rid}: prompt plus max_tokens ({request.max_num_tokens} tokens) needs {needed} KV "
+                f"blocks, but the cache has only {self.block_manager.num_blocks} blocks of {self.config.block_size}"
             )
 
     def abort_request(self, request_id: str) -> None:
@@ -139,25 +145,39 @@ class LLMEngine:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.in_flight)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule one batch, run it, and return an output for every request that advanced."""
+        """Schedule and launch one batch; return an output for every request that advanced.
+
+        With async scheduling the outputs are those of the previous batch: its tokens are read
+        back while the device runs this one, so host work overlaps the device's.
+        """
         batch = self.scheduler.schedule()
-        if batch.is_empty():
-            return []
-        batch.generator = self.generator
-        result = self.worker.execute(batch)
-        for request, n in zip(batch.requests, batch.num_scheduled_tokens):
-            request.num_computed_tokens += n
+        if not batch.is_empty():
+            batch.generator = self.generator
+            self.in_flight.append((batch, self.worker.execute(batch)))
+            for request, n in zip(batch.requests, batch.num_scheduled_tokens):
+                request.num_computed_tokens += n
+            for request in batch.sampling_requests:
+                request.num_output_placeholders += 1
+        if len(self.in_flight) > self.max_in_flight or (batch.is_empty() and self.in_flight):
+            return self._process(*self.in_flight.popleft())
+        return []
+
+    def _process(self, batch: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
+        """Append a finished step's sampled tokens, apply stop conditions, build outputs."""
         outputs = []
-        for request, token_id, logprobs in zip(batch.sampling_requests, result.sampled_token_ids, result.logprobs):
+        token_ids, logprobs_per_row = result.resolve()
+        for request, token_id, logprobs in zip(batch.sampling_requests, token_ids, logprobs_per_row):
+            request.num_output_placeholders -= 1
+            if request.is_finished:
+                continue  # stopped or aborted while this step ran: its extra token is dropped
             text_before = len(request.output_text)
             self._append_token(request, token_id, logprobs)
             kind = request.sampling_params.output_kind
             if kind != "final_only" or request.is_finished:
                 outputs.append(self._make_output(request, text_before if kind == "delta" else None))
-        for request in batch.sampling_requests:
             if request.is_finished:
                 self._release(request)
         return outputs
@@ -180,9 +200,7 @@ class LLMEngine:
             request.output_text += detokenizer.add(token_id)
             if params.stop and num_out >= params.min_tokens and self._check_stop_strings(request, previous_len):
                 return
-        if params.max_tokens is not None and num_out >= params.max_tokens:
-            self._finish(request, RequestStatus.FINISHED_LENGTH)
-        elif request.num_tokens >= self.model_config.max_model_len:
+        if len(request.all_token_ids) >= request.max_num_tokens:  # max_tokens or max_model_len
             self._finish(request, RequestStatus.FINISHED_LENGTH)
 
     def _check_stop_strings(self, request: Request, previous_len: int) -> bool:

@@ -38,10 +38,38 @@ class ModelInputs:
     inputs_embeds: torch.Tensor | None = None  # [num_tokens, hidden]: replaces input_ids if set
 
 
-@dataclass
 class StepOutput:
-    sampled_token_ids: list[int]  # one per batch.sampling_requests
-    logprobs: list[dict[int, float] | None]
+    """A launched step's sampled token ids (and logprobs): copied to the host without waiting,
+    read by ``resolve``, which waits for the device only if the step is still running."""
+
+    def __init__(self, sampled: torch.Tensor, logprobs: tuple[torch.Tensor, ...] | None = None,
+                 wanted: list[int | None] | None = None):
+        self._sampled = sampled.to("cpu", non_blocking=True)
+        # (chosen token's logprob, top-n values, top-n ids) and each row's n.
+        self._logprobs = tuple(t.to("cpu", non_blocking=True) for t in logprobs) if logprobs else None
+        self._wanted = wanted
+        self._done = None
+        if sampled.is_cuda:
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def resolve(self) -> tuple[list[int], list[dict[int, float] | None]]:
+        """One token id per ``batch.sampling_requests`` and its logprobs entry (None if not asked)."""
+        if self._done is not None:
+            self._done.synchronize()
+        token_ids = self._sampled.tolist()
+        if self._logprobs is None:
+            return token_ids, [None] * len(token_ids)
+        chosen, top_values, top_ids = (t.tolist() for t in self._logprobs)
+        entries: list[dict[int, float] | None] = []
+        for row, n in enumerate(self._wanted):
+            if n is None:
+                entries.append(None)
+                continue
+            entry = dict(zip(top_ids[row][:n], top_values[row][:n]))
+            entry[token_ids[row]] = chosen[row]
+            entries.append(entry)
+        return token_ids, entries
 
 
 class SamplerContractError(RuntimeError):
@@ -57,13 +85,23 @@ class ModelRunner:
         self.block_size = block_size
         self.attention_backend = attention_backend
         self.cuda_graphs: CudaGraphRunner | None = None  # set by the worker unless enforce_eager
+        self.last_sampled = torch.empty(0, dtype=torch.long, device=device)
+        self.last_sampled_rows: dict[str, int] = {}
 
     def build_inputs(self, batch: SchedulerOutput) -> ModelInputs:
         requests, counts_list = batch.requests, batch.num_scheduled_tokens
         starts_list = [r.num_computed_tokens for r in requests]
         token_ids: list[int] = []
+        # Rows whose token was sampled by the step still on the device: copied there from its output.
+        pending_rows: list[int] = []
+        pending_sources: list[int] = []
         for request, start, count in zip(requests, starts_list, counts_list):
-            token_ids += request.all_token_ids[start:start + count]
+            known = request.all_token_ids[start:start + count]
+            token_ids += known
+            if len(known) < count:
+                pending_rows.append(len(token_ids))
+                pending_sources.append(self.last_sampled_rows[request.request_id])
+                token_ids.append(0)
         counts = np.asarray(counts_list, dtype=np.int64)
         starts = np.asarray(starts_list, dtype=np.int64)
         num_seqs, num_tokens = len(counts_list), len(token_ids)
@@ -80,13 +118,15 @@ class ModelRunner:
         logits_indices = query_start[1:][logits_rows] - 1
         # One host->device copy for the whole step (pinned, asynchronous on CUDA).
         parts = [np.asarray(token_ids, dtype=np.int64), positions, slot_mapping, logits_indices,
-                 seq_lens, query_start, block_tables.ravel()]
+                 seq_lens, query_start, block_tables.ravel(), np.asarray(pending_rows + pending_sources, dtype=np.int64)]
         host = torch.from_numpy(np.concatenate(parts))
         if self.device.type == "cuda":
             host = host.pin_memory()
         flat = host.to(self.device, non_blocking=True)
-        input_ids, positions_t, slots_t, logits_t, seq_lens_t, query_start_t, tables_t = flat.split(
+        input_ids, positions_t, slots_t, logits_t, seq_lens_t, query_start_t, tables_t, pending = flat.split(
             [len(part) for part in parts])
+        if pending_rows:
+            input_ids[pending[:len(pending_rows)]] = self.last_sampled[pending[len(pending_rows):]]
         return ModelInputs(
             input_ids=input_ids,
             positions=positions_t,
@@ -123,8 +163,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> StepOutput:
         hidden_states, inputs = self.forward(batch)
-        if inputs.logits_indices.numel() == 0:
-            return StepOutput([], [])
+        if not batch.sampling_requests:
+            return StepOutput(torch.empty(0, dtype=torch.long))
         # In a decode-only step every row samples: no gather needed.
         if len(batch.sampling_requests) < hidden_states.shape[0]:
             hidden_states = hidden_states[inputs.logits_indices]
@@ -132,8 +172,10 @@ class ModelRunner:
         self.hooks.hook.process_logits(logits=logits, batch=batch)
         sampled, plugin = self.hooks.call_first("sample", logits=logits, batch=batch)
         self._check_sampled(sampled, plugin, logits.shape[0])
-        token_ids = sampled.tolist()
-        return StepOutput(token_ids, self._logprobs(logits, batch, sampled))
+        # The next step reads these rows on the device for requests whose token is not known yet.
+        self.last_sampled = sampled
+        self.last_sampled_rows = {r.request_id: row for row, r in enumerate(batch.sampling_requests)}
+        return self._step_output(logits, batch, sampled)
 
     @staticmethod
     def _check_sampled(sampled: object, plugin: str | None, num_rows: int) -> None:
@@ -148,21 +190,12 @@ class ModelRunner:
             )
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, batch: SchedulerOutput, sampled: torch.Tensor) -> list[dict[int, float] | None]:
-        """The sampled token's logprob plus the top-n, from the processed logits, where asked."""
+    def _step_output(logits: torch.Tensor, batch: SchedulerOutput, sampled: torch.Tensor) -> StepOutput:
+        """The sampled tokens plus, where asked, their logprobs and the top-n from the processed logits."""
         wanted = [r.sampling_params.logprobs for r in batch.sampling_requests]
         if all(n is None for n in wanted):
-            return [None] * len(wanted)
+            return StepOutput(sampled)
         logprobs = logits.log_softmax(dim=-1)
-        top_n = max(n for n in wanted if n is not None)
-        top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
-        chosen = logprobs.gather(1, sampled[:, None]).squeeze(1).tolist()
-        result: list[dict[int, float] | None] = []
-        for row, n in enumerate(wanted):
-            if n is None:
-                result.append(None)
-                continue
-            entry = {int(t): float(v) for t, v in zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist())} if n else {}
-            entry[int(sampled[row])] = chosen[row]
-            result.append(entry)
-        return result
+        top_values, top_ids = logprobs.topk(max(n for n in wanted if n is not None), dim=-1)
+        chosen = logprobs.gather(1, sampled[:, None]).squeeze(1)
+        return StepOutput(sampled, (chosen, top_values, top_ids), wanted)

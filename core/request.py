@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,12 +51,16 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled by a step still running on the device (async scheduling): counted in
+        # num_tokens, not yet in all_token_ids.
+        self.num_output_placeholders = 0
+        # Prompt plus max_tokens, capped by max_model_len: the engine sets it once the prompt is final.
+        self.max_num_tokens = sys.maxsize
         self.status = RequestStatus.WAITING
         self.block_ids: list[int] = []
         self.stop_reason: int | str | None = None
         self.output_text = ""
         self.logprobs: list[dict[int, float]] | None = [] if self.sampling_params.logprobs is not None else None
-        self.first_token_time: float | None = None
         seed = self.sampling_params.seed
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
 
@@ -70,7 +75,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def is_finished(self) -> bool:

@@ -64,6 +64,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_tokens >= request.max_num_tokens:
+                i += 1  # its last token is being sampled by the step in flight: nothing left to run
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()  # the newest running request

@@ -23,8 +23,12 @@ def alone_outputs(tiny_llama_dir, prompts):
             for p in prompts]
 
 
-def test_tight_engine_chunks_prefills_and_preempts(make_llm, prompts, monkeypatch):
-    llm = make_llm(max_num_batched_tokens=32, num_kv_blocks=12)
+SCHEDULING = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+
+
+@SCHEDULING
+def test_tight_engine_chunks_prefills_and_preempts(make_llm, prompts, monkeypatch, async_scheduling):
+    llm = make_llm(max_num_batched_tokens=32, num_kv_blocks=12, async_scheduling=async_scheduling)
     scheduler = llm.engine.scheduler
     seen = {"chunked": 0, "preempted": 0, "over_budget": 0}
     schedule = scheduler.schedule
@@ -42,8 +46,9 @@ def test_tight_engine_chunks_prefills_and_preempts(make_llm, prompts, monkeypatc
     assert seen["chunked"] > 0 and seen["preempted"] > 0 and seen["over_budget"] == 0
 
 
-def test_batched_greedy_equals_each_prompt_alone(make_llm, prompts, alone_outputs):
-    llm = make_llm(max_num_batched_tokens=32, num_kv_blocks=12)
+@SCHEDULING
+def test_batched_greedy_equals_each_prompt_alone(make_llm, prompts, alone_outputs, async_scheduling):
+    llm = make_llm(max_num_batched_tokens=32, num_kv_blocks=12, async_scheduling=async_scheduling)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], testing.greedy(MAX_TOKENS))
     assert [o.outputs[0].token_ids for o in outputs] == alone_outputs
     testing.assert_all_blocks_free(llm)
@@ -62,8 +67,9 @@ def test_max_num_seqs_bounds_the_running_batch(make_llm, prompts, alone_outputs)
     assert [finished[i] for i in ids] == alone_outputs[:8]
 
 
-def test_aborting_midway_frees_blocks_and_leaves_others_unchanged(make_llm, prompts, alone_outputs):
-    llm = make_llm(max_num_batched_tokens=32, num_kv_blocks=12)
+@SCHEDULING
+def test_aborting_midway_frees_blocks_and_leaves_others_unchanged(make_llm, prompts, alone_outputs, async_scheduling):
+    llm = make_llm(max_num_batched_tokens=32, num_kv_blocks=12, async_scheduling=async_scheduling)
     engine = llm.engine
     ids = [engine.add_request({"prompt_token_ids": p}, testing.greedy(MAX_TOKENS)) for p in prompts]
     aborted = set(ids[::3])

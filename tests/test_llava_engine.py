@@ -62,9 +62,10 @@ def record_preemptions(monkeypatch, llm):
     return preempted
 
 
-def test_each_image_is_encoded_once_under_chunking_and_preemption(monkeypatch, checkpoint, reference):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_each_image_is_encoded_once_under_chunking_and_preemption(monkeypatch, checkpoint, reference, async_scheduling):
     # 25-token prompts (16 image rows) + 24 outputs need 4 blocks each; 6 blocks force preemption.
-    llm = make_llm(checkpoint, max_num_batched_tokens=7, num_kv_blocks=6)
+    llm = make_llm(checkpoint, max_num_batched_tokens=7, num_kv_blocks=6, async_scheduling=async_scheduling)
     calls = count_encoded_images(monkeypatch, llm)
     preempted = record_preemptions(monkeypatch, llm)
     outputs = llm.generate([image_request(image) for image in IMAGES], testing.greedy(24))

@@ -29,8 +29,9 @@ def test_seeded_sampling_is_reproducible(make_llm):
     assert first == again
 
 
-def test_a_seed_gives_the_same_tokens_alone_or_in_a_batch(make_llm):
-    llm = make_llm()
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_seed_gives_the_same_tokens_alone_or_in_a_batch(make_llm, async_scheduling):
+    llm = make_llm(async_scheduling=async_scheduling)
     seeded = SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True)
     alone = llm.generate({"prompt_token_ids": PROMPTS[0]}, seeded)[0].outputs[0].token_ids
     other = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)

@@ -7,9 +7,10 @@ from hookllm import SamplingParams, testing
 PROMPT = "Paris is the capital of"
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    return testing.LLM(str(tiny_llama_dir), dtype="float32", device="cpu")
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(tiny_llama_dir, request):
+    """With async scheduling a stopped request's token from the step in flight must be dropped."""
+    return testing.LLM(str(tiny_llama_dir), dtype="float32", device="cpu", async_scheduling=request.param)
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,19 @@ def test_cuda_graphs_and_eager_give_identical_greedy_tokens(small_llama):
     assert ours == theirs
 
 
+def test_async_and_sync_scheduling_give_identical_tokens_on_cuda(small_llama):
+    prompts = [{"prompt_token_ids": p} for p in testing.random_prompts(40, 320, min_len=5, max_len=200, seed=14)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in range(8, 48)]
+    runs = []
+    for async_scheduling in (True, False):
+        llm = LLM(str(small_llama), gpu_memory_utilization=0.3, max_num_batched_tokens=256, dtype="float32",
+                  async_scheduling=async_scheduling)
+        assert llm.engine.max_in_flight == int(async_scheduling)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)])
+        testing.assert_all_blocks_free(llm)
+    assert runs[0] == runs[1]
+
+
 def test_batched_equals_alone_on_cuda(small_llama):
     llm = LLM(str(small_llama), gpu_memory_utilization=0.3, max_num_batched_tokens=128, num_kv_blocks=40,
               dtype="float32")

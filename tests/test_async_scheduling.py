@@ -1,0 +1,59 @@
+"""Async scheduling: step n+1 is scheduled and launched before step n's tokens are read back.
+
+The token each decoding request needs next is taken from the previous step's output on the
+device, so outputs lag one step; tokens, stop conditions and cache use stay the same.
+"""
+
+from hookllm import SamplingParams, testing
+
+PROMPT = "Paris is the capital of"
+
+
+def test_each_step_reports_the_tokens_of_the_step_before(make_llm):
+    engine = make_llm(async_scheduling=True).engine
+    engine.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert engine.step() == []  # the prefill is launched, its token not read yet
+    lengths = []
+    while engine.has_unfinished_requests():
+        lengths += [len(o.outputs[0].token_ids) for o in engine.step()]
+    assert lengths == [1, 2, 3]
+
+
+def test_async_outputs_equal_sync_outputs(make_llm):
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2) for n in (1, 5, 9)]
+    prompts = [PROMPT, "The", "A long time ago in a galaxy"]
+    sync = make_llm(async_scheduling=False).generate(prompts, params)
+    async_ = make_llm(async_scheduling=True).generate(prompts, params)
+    for a, b in zip(sync, async_):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].text == b.outputs[0].text
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_no_token_is_computed_past_max_tokens(make_llm, monkeypatch):
+    llm = make_llm(async_scheduling=True)
+    scheduled = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        scheduled.append(batch.total_num_tokens)
+        return batch
+
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", recording_schedule)
+    prompt_ids = llm.tokenizer(PROMPT)["input_ids"]
+    llm.generate({"prompt_token_ids": prompt_ids}, testing.greedy(6))
+    # The last output token is sampled, never fed back: prompt + 5 tokens run through the model.
+    assert sum(scheduled) == len(prompt_ids) + 5
+    testing.assert_all_blocks_free(llm)
+
+
+def test_a_request_stopped_while_a_step_is_in_flight_drops_that_steps_token(make_llm):
+    llm = make_llm(async_scheduling=True)
+    free_run = llm.generate(PROMPT, testing.greedy(12))[0].outputs[0].token_ids
+    stop_id = free_run[3]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+    out = llm.generate(PROMPT, params)[0].outputs[0]
+    assert out.token_ids == free_run[: free_run.index(stop_id) + 1]
+    assert not llm.engine.requests
+    testing.assert_all_blocks_free(llm)
