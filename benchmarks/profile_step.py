@@ -93,6 +93,7 @@ def main() -> None:
     totals: dict[str, float] = defaultdict(float)
     instrument(engine, totals)
     wall_ms = 1e3 * timed_steps(engine, args.steps)
+    host_ms = {f"host_ms_{k}": 1e3 * v / args.steps for k, v in totals.items()}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         timed_steps(engine, args.steps)
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
@@ -100,7 +101,7 @@ def main() -> None:
     batch = len(engine.scheduler.running)
     rows = {"wall_ms_per_step": plain_ms, "wall_ms_per_step_timed_parts": wall_ms,
             "gpu_busy_ms_per_step": 1e3 * gpu_total / args.steps, "batch": batch,
-            **{f"host_ms_{k}": 1e3 * v / args.steps for k, v in totals.items()}}
+            **host_ms}
     top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:12]
     payload = {"device": device_name(), "date": now(), "commit": commit(), "model": args.shape, "per_step": rows,
                "top_kernels_us_per_step": {e.key[:80]: e.self_device_time_total / args.steps for e in top}}

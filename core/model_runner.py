@@ -110,8 +110,8 @@ class ModelRunner:
         seq_lens = starts + counts
         # positions: for each request, start .. start + count - 1, laid out flat.
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start[:-1] - starts, counts)
-        max_blocks = max(len(r.block_ids) for r in requests)
-        block_tables = np.array([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in requests], dtype=np.int64)
+        block_tables = batch.block_tables
+        max_blocks = block_tables.shape[1]
         token_rows = np.repeat(np.arange(num_seqs), counts)
         slot_mapping = block_tables[token_rows, positions // self.block_size] * self.block_size + positions % self.block_size
         logits_rows = np.flatnonzero(seq_lens == np.asarray([r.num_tokens for r in requests]))

@@ -58,6 +58,7 @@ class Request:
         self.max_num_tokens = sys.maxsize
         self.status = RequestStatus.WAITING
         self.block_ids: list[int] = []
+        self.block_table_row: int | None = None  # its row in BlockManager.table while it holds blocks
         self.stop_reason: int | str | None = None
         self.output_text = ""
         self.logprobs: list[dict[int, float]] | None = [] if self.sampling_params.logprobs is not None else None

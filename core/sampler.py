@@ -1,7 +1,8 @@
 """The default sampler: greedy, temperature, top-k, top-p and min-p, batched over requests.
 
 Every row is sampled the same way (exponential-race sampling: ``argmax(probs / q)`` with
-``q ~ Exp(1)``, which draws from ``probs``); the only per-request Python work is drawing ``q``
+``q ~ Exp(1)``, which draws from ``probs``), in one pass over the logits on CUDA
+(:func:`hookllm.kernels.sample_with_noise`); the only per-request Python work is drawing ``q``
 for requests that carry their own seed, from their own generator.
 """
 
@@ -11,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from hookllm.kernels import sample_with_noise
 from hookllm.request import Request
 
 
@@ -43,22 +45,19 @@ def sample(logits: torch.Tensor, requests: Sequence[Request], generator: torch.G
         [(p.temperature, p.top_k, p.top_p, p.min_p) for p in (r.sampling_params for r in requests)],
         dtype=torch.float32,
     )
-    is_greedy = params[:, 0] == 0.0
-    if bool(is_greedy.all()):
+    if bool((params[:, 0] == 0.0).all()):
         return logits.argmax(dim=-1)
     needs_filter = bool(((params[:, 1] > 0) | (params[:, 2] < 1.0) | (params[:, 3] > 0.0)).any())
     params = params.to(logits.device, non_blocking=True)
-    temperature = torch.where(params[:, 0] > 0, params[:, 0], 1.0)
-    scaled = logits / temperature[:, None]
+    temperature = params[:, 0]
     if needs_filter:
-        scaled = apply_top_k_top_p_min_p(scaled, params[:, 1].long(), params[:, 2], params[:, 3])
-    probs = scaled.softmax(dim=-1)
-    q = torch.empty_like(probs).exponential_(generator=generator)
+        # Filter the temperature-scaled distribution, then race at temperature 1 (greedy rows stay 0).
+        scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+        logits = apply_top_k_top_p_min_p(scaled, params[:, 1].long(), params[:, 2], params[:, 3])
+        temperature = (temperature > 0).float()
+    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(generator=generator)
     for row, request in enumerate(requests):
         if request.generator is not None:
             # Drawn on the CPU, so a seed gives the same tokens on every device.
-            q[row] = torch.empty(q.shape[-1]).exponential_(generator=request.generator).to(q.device)
-    sampled = probs.div_(q).argmax(dim=-1)
-    if not bool(is_greedy.any()):
-        return sampled
-    return torch.where(is_greedy.to(logits.device, non_blocking=True), logits.argmax(dim=-1), sampled)
+            noise[row] = torch.empty(noise.shape[-1]).exponential_(generator=request.generator).to(noise.device)
+    return sample_with_noise(logits, temperature, noise)

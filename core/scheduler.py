@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from hookllm.block_manager import BlockManager
@@ -23,6 +24,7 @@ class SchedulerOutput:
 
     requests: list[Request]  # in flat row order
     num_scheduled_tokens: list[int]
+    block_tables: np.ndarray  # [num_seqs, max_blocks] int32, from BlockManager.block_tables
     preempted: list[Request] = field(default_factory=list)
     generator: torch.Generator | None = None  # the engine's RNG for unseeded sampling
 
@@ -92,7 +94,8 @@ class Scheduler:
             scheduled.append(request)
             counts.append(num_new)
             budget -= num_new
-        return SchedulerOutput(scheduled, counts, preempted)
+        tables = self.block_manager.block_tables(scheduled) if scheduled else np.zeros((0, 0), dtype=np.int32)
+        return SchedulerOutput(scheduled, counts, tables, preempted)
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)

@@ -78,7 +78,7 @@ def prompt_logits(llm: LLM, prompt_token_ids: list[int]) -> torch.Tensor:
     if not engine.block_manager.allocate_slots(request, request.num_tokens):
         raise RuntimeError("not enough free KV blocks for the prompt")
     try:
-        hidden_states, _ = engine.worker.runner.forward(SchedulerOutput([request], [request.num_tokens]))
+        hidden_states, _ = engine.worker.runner.forward(SchedulerOutput([request], [request.num_tokens], engine.block_manager.block_tables([request])))
         with torch.inference_mode():
             return engine.worker.model.compute_logits(hidden_states).float().cpu()
     finally:

@@ -2,7 +2,8 @@
 
 ``get_attention_backend(name)`` returns a module-like object with ``store_kv`` and
 ``paged_attention``: ``"torch"`` is :mod:`hookllm.kernels.reference`, ``"triton"`` the Triton
-kernels, and ``"auto"`` picks Triton on CUDA and torch elsewhere.
+kernels, and ``"auto"`` picks Triton on CUDA and torch elsewhere. ``sample_with_noise`` runs
+the sampler's last pass with the Triton kernel on CUDA and its reference elsewhere.
 """
 
 from __future__ import annotations
@@ -37,3 +38,14 @@ def get_attention_backend(name: str) -> ModuleType:
     from hookllm.kernels import reference
 
     return reference
+
+
+def sample_with_noise(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """See :func:`hookllm.kernels.reference.sample_with_noise`."""
+    if logits.is_cuda:
+        from hookllm.kernels import triton_sampling
+
+        return triton_sampling.sample_with_noise(logits, temperature, noise)
+    from hookllm.kernels import reference
+
+    return reference.sample_with_noise(logits, temperature, noise)

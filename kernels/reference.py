@@ -73,3 +73,19 @@ def paged_attention(
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)
     return out
+
+
+def sample_with_noise(
+    logits: torch.Tensor,  # [rows, vocab], any float dtype
+    temperature: torch.Tensor,  # [rows] float32; 0 = greedy
+    noise: torch.Tensor,  # [rows, vocab] float32, Exp(1) draws (not read for greedy rows)
+) -> torch.Tensor:
+    """One token id per row: ``argmax(softmax(logits / T) / noise)``, or ``argmax(logits)`` where T = 0.
+
+    With ``noise ~ Exp(1)`` this draws from ``softmax(logits / T)`` (the exponential race); it
+    is computed as ``argmax(logits / T - log(noise))``, the same order without the softmax.
+    """
+    x = logits.float()
+    sampled = temperature > 0
+    scores = x / torch.where(sampled, temperature, 1.0)[:, None] - noise.log()
+    return torch.where(sampled[:, None], scores, x).argmax(dim=-1)

@@ -121,7 +121,7 @@ def prompt_logits_chunked(llm, prompt: str, images: list[Image.Image], chunk: in
         while request.num_computed_tokens < request.num_tokens:
             count = min(chunk, request.num_tokens - request.num_computed_tokens)
             assert engine.block_manager.allocate_slots(request, count)
-            hidden_states, _ = engine.worker.runner.forward(SchedulerOutput([request], [count]))
+            hidden_states, _ = engine.worker.runner.forward(SchedulerOutput([request], [count], engine.block_manager.block_tables([request])))
             with torch.inference_mode():
                 logits.append(engine.worker.model.compute_logits(hidden_states).float())
             request.num_computed_tokens += count

@@ -199,3 +199,33 @@ def test_tiny_model_on_the_triton_backend_matches_transformers_greedy(tiny_llama
     assert llm.engine.worker.attention_backend is triton_attention
     prompts = testing.random_prompts(3, 320, min_len=4, max_len=30, seed=5)
     testing.assert_greedy_matches(llm, tiny_llama_reference, prompts, max_tokens=6)
+
+
+def sampling_inputs(rows: int, vocab: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple:
+    """Random logits with some banned (-inf) tokens, every other row greedy, and Exp(1) noise."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
+    logits[:, ::7] = float("-inf")
+    temperature = torch.tensor([0.0 if r % 2 else 0.5 + r / rows for r in range(rows)])
+    noise = torch.empty(rows, vocab).exponential_(generator=gen)
+    return logits, temperature, noise
+
+
+@pytest.mark.parametrize("vocab", [97, 3000], ids=["one-block", "several-blocks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_with_noise_kernel_matches_reference(vocab, dtype):
+    from hookllm.kernels import triton_sampling
+
+    logits, temperature, noise = sampling_inputs(6, vocab, dtype)
+    expected = reference.sample_with_noise(logits, temperature, noise)
+    assert torch.equal(triton_sampling.sample_with_noise(logits, temperature, noise), expected)
+    assert torch.equal(expected[1::2], logits[1::2].float().argmax(dim=-1))  # greedy rows ignore the noise
+
+
+def test_sample_with_noise_kernel_picks_the_first_of_tied_maxima():
+    from hookllm.kernels import triton_sampling
+
+    logits = torch.zeros(2, 3000)
+    logits[:, [5, 2100, 2999]] = 1.0  # in different lanes and blocks
+    temperature, noise = torch.zeros(2), torch.ones(2, 3000)
+    assert triton_sampling.sample_with_noise(logits, temperature, noise).tolist() == [5, 5]

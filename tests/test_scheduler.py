@@ -27,6 +27,22 @@ def test_allocation_rounds_up_to_whole_blocks():
     assert manager.num_free_blocks == 10 and r.block_ids == []
 
 
+def test_block_tables_mirror_block_ids_and_free_rows_are_reused():
+    manager = BlockManager(num_blocks=40, block_size=16)
+    a, b = _request("a", 20), _request("b", 100)
+    manager.allocate_slots(a, 20)
+    manager.allocate_slots(b, 100)
+    a.num_computed_tokens = 20
+    manager.allocate_slots(a, 20)  # grows a's row in place
+    assert manager.block_tables([b, a]).tolist() == [b.block_ids, a.block_ids + [0] * 4]
+    row = a.block_table_row
+    manager.free(a)
+    c = _request("c", 5)
+    manager.allocate_slots(c, 5)
+    assert c.block_table_row == row
+    assert manager.block_tables([c]).tolist() == [c.block_ids]
+
+
 def test_allocation_fails_without_side_effects_when_blocks_run_out():
     manager = BlockManager(num_blocks=2, block_size=16)
     r = _request("a", 40)
