@@ -2,7 +2,7 @@
 
 Every row is sampled the same way (exponential-race sampling: ``argmax(probs / q)`` with
 ``q ~ Exp(1)``, which draws from ``probs``), in one pass over the logits on CUDA
-(:func:`hookllm.kernels.sample_with_noise`); the only per-request Python work is drawing ``q``
+(``sample_with_noise`` in :mod:`hookllm.kernels`); the only per-request Python work is drawing ``q``
 for requests that carry their own seed, from their own generator.
 """
 
@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from hookllm.kernels import sample_with_noise
+from hookllm.kernels import ops_for
 from hookllm.request import Request
 
 
@@ -60,4 +60,4 @@ def sample(logits: torch.Tensor, requests: Sequence[Request], generator: torch.G
         if request.generator is not None:
             # Drawn on the CPU, so a seed gives the same tokens on every device.
             noise[row] = torch.empty(noise.shape[-1]).exponential_(generator=request.generator).to(noise.device)
-    return sample_with_noise(logits, temperature, noise)
+    return ops_for(logits).sample_with_noise(logits, temperature, noise)

@@ -2,8 +2,9 @@
 
 ``get_attention_backend(name)`` returns a module-like object with ``store_kv`` and
 ``paged_attention``: ``"torch"`` is :mod:`hookllm.kernels.reference`, ``"triton"`` the Triton
-kernels, and ``"auto"`` picks Triton on CUDA and torch elsewhere. ``sample_with_noise`` runs
-the sampler's last pass with the Triton kernel on CUDA and its reference elsewhere.
+kernels, and ``"auto"`` picks Triton on CUDA and torch elsewhere. ``ops_for(tensor)`` returns
+the module with ``rms_norm``, ``apply_rotary``, ``silu_and_mul`` and ``sample_with_noise`` for
+that tensor's device: the Triton kernels on CUDA, their torch references elsewhere.
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ def get_attention_backend(name: str) -> ModuleType:
     return reference
 
 
-def sample_with_noise(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """See :func:`hookllm.kernels.reference.sample_with_noise`."""
-    if logits.is_cuda:
-        from hookllm.kernels import triton_sampling
 
-        return triton_sampling.sample_with_noise(logits, temperature, noise)
+def ops_for(tensor: torch.Tensor) -> ModuleType:
+    """:mod:`hookllm.kernels.triton_ops` for a CUDA tensor, :mod:`hookllm.kernels.reference` otherwise."""
+    if tensor.is_cuda:
+        from hookllm.kernels import triton_ops
+
+        return triton_ops
     from hookllm.kernels import reference
 
-    return reference.sample_with_noise(logits, temperature, noise)
+    return reference

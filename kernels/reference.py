@@ -1,8 +1,9 @@
-"""Pure-torch references for the paged-attention kernels.
+"""Pure-torch references for every Triton kernel.
 
-These are the CPU backend of the paged ``Attention`` layer and the ground truth the Triton
-kernels in ``hookllm.kernels.triton_attention`` are tested against; each function here has the
-same signature as its Triton twin.
+These are the CPU backend of the paged ``Attention`` layer, the model layers and the sampler,
+and the ground truth the Triton kernels in ``hookllm.kernels.triton_attention`` and
+``hookllm.kernels.triton_ops`` are tested against; each function here has the same signature
+as its Triton twin.
 
 Cache layout (one tensor per layer and per K/V): ``[num_blocks, block_size, num_kv_heads,
 head_dim]``. Token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at
@@ -89,3 +90,39 @@ def sample_with_noise(
     sampled = temperature > 0
     scores = x / torch.where(sampled, temperature, 1.0)[:, None] - noise.log()
     return torch.where(sampled[:, None], scores, x).argmax(dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of ``x`` ``[rows, hidden]``; with ``residual``: ``(norm(x + residual), x + residual)``.
+
+    As transformers computes it: the sum in the input dtype, the norm in fp32, cast back to the
+    input dtype before the weight multiply.
+    """
+    if residual is not None:
+        x = x + residual
+    dtype = x.dtype
+    normed = x.float()
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * normed.to(dtype)
+    return out if residual is None else (out, x)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+                 head_dim: int) -> None:
+    """Rotate ``q`` ``[tokens, heads * head_dim]`` and ``k`` in place by their tokens' positions.
+
+    NeoX / HF "rotate half" layout; ``cos_sin`` is ``[max_position, head_dim]`` fp32, the cos
+    half then the sin half. Computed in fp32, rounded to the input dtype.
+    """
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    for x in (q, k):
+        x1, x2 = x.view(x.shape[0], -1, head_dim).float().chunk(2, dim=-1)
+        x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).view(x.shape))
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``[rows, 2 * d]`` laid out as (gate, up) -> ``silu(gate) * up``, ``[rows, d]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -201,6 +201,11 @@ def test_tiny_model_on_the_triton_backend_matches_transformers_greedy(tiny_llama
     testing.assert_greedy_matches(llm, tiny_llama_reference, prompts, max_tokens=6)
 
 
+def tolerance(dtype: torch.dtype) -> dict:
+    # The interpreter casts fp32 to bf16 by truncation, not rounding: a few bf16 ulps apart.
+    return dict(atol=1e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+
+
 def sampling_inputs(rows: int, vocab: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple:
     """Random logits with some banned (-inf) tokens, every other row greedy, and Exp(1) noise."""
     gen = torch.Generator().manual_seed(seed)
@@ -214,18 +219,58 @@ def sampling_inputs(rows: int, vocab: int, dtype: torch.dtype = torch.float32, s
 @pytest.mark.parametrize("vocab", [97, 3000], ids=["one-block", "several-blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sample_with_noise_kernel_matches_reference(vocab, dtype):
-    from hookllm.kernels import triton_sampling
+    from hookllm.kernels import triton_ops
 
     logits, temperature, noise = sampling_inputs(6, vocab, dtype)
     expected = reference.sample_with_noise(logits, temperature, noise)
-    assert torch.equal(triton_sampling.sample_with_noise(logits, temperature, noise), expected)
+    assert torch.equal(triton_ops.sample_with_noise(logits, temperature, noise), expected)
     assert torch.equal(expected[1::2], logits[1::2].float().argmax(dim=-1))  # greedy rows ignore the noise
 
 
 def test_sample_with_noise_kernel_picks_the_first_of_tied_maxima():
-    from hookllm.kernels import triton_sampling
+    from hookllm.kernels import triton_ops
 
     logits = torch.zeros(2, 3000)
     logits[:, [5, 2100, 2999]] = 1.0  # in different lanes and blocks
     temperature, noise = torch.zeros(2), torch.ones(2, 3000)
-    assert triton_sampling.sample_with_noise(logits, temperature, noise).tolist() == [5, 5]
+    assert triton_ops.sample_with_noise(logits, temperature, noise).tolist() == [5, 5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add-and-norm"])
+def test_rms_norm_kernel_matches_reference(dtype, with_residual):
+    from hookllm.kernels import triton_ops
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 96, generator=gen).to(dtype)  # hidden not a power of two
+    residual = torch.randn(5, 96, generator=gen).to(dtype) if with_residual else None
+    weight = (1 + torch.randn(96, generator=gen) / 4).to(dtype)
+    expected = reference.rms_norm(x, weight, 1e-5, residual)
+    got = triton_ops.rms_norm(x, weight, 1e-5, residual)
+    for e, g in zip(expected if with_residual else [expected], got if with_residual else [got]):
+        torch.testing.assert_close(g, e, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("head_dim", [16, 24], ids=["pow2", "not-pow2"])
+def test_rotary_kernel_matches_reference_on_strided_views_of_fused_qkv(head_dim):
+    from hookllm.kernels import triton_ops
+
+    gen = torch.Generator().manual_seed(2)
+    num_tokens, q_size, kv_size = 6, 4 * head_dim, 2 * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen)
+    positions = torch.tensor([0, 1, 2, 7, 30, 31])
+    cos_sin = torch.randn(32, head_dim, generator=gen)
+    expected, got = qkv.clone(), qkv.clone()
+    for fused, ops in ((expected, reference), (got, triton_ops)):
+        q, k, _ = fused.split([q_size, kv_size, kv_size], dim=-1)
+        ops.apply_rotary(positions, q, k, cos_sin, head_dim)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[:, q_size + kv_size:], qkv[:, q_size + kv_size:])  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_kernel_matches_reference(dtype):
+    from hookllm.kernels import triton_ops
+
+    gate_up = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(3)).to(dtype)  # two column blocks
+    torch.testing.assert_close(triton_ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), **tolerance(dtype))

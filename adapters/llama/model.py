@@ -46,7 +46,7 @@ class DecoderAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous()))
+        return self.o_proj(self.attn(q, k, v))
 
 
 class DecoderMLP(nn.Module):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hookllm.kernels import ops_for
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -12,18 +14,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # Computed in fp32 like transformers, then cast back before the weight multiply.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
+        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual).
+
+        Computed as transformers does (see ``hookllm.kernels.reference.rms_norm``); one Triton
+        kernel on CUDA.
+        """
+        shape = x.shape
+        out = ops_for(x).rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps,
+                                  None if residual is None else residual.reshape(-1, shape[-1]))
         if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            return out.view(shape)
+        return out[0].view(shape), out[1].view(shape)

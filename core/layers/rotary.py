@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookllm.kernels import ops_for
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     """Llama 3.1 frequency scaling: long wavelengths slowed by ``factor``, a smooth band between."""
@@ -47,16 +49,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq*D] and k [T, Hkv*D] by their tokens' positions."""
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, D/2] each
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        """Rotate q [T, Hq*D] and k [T, Hkv*D] (row-strided views allowed) in place by their tokens' positions."""
+        ops_for(q).apply_rotary(positions, q, k, self.cos_sin, self.head_dim)
+        return q, k
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        shape, dtype = x.shape, x.dtype
-        x1, x2 = x.view(shape[0], -1, self.head_dim).float().chunk(2, dim=-1)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        return out.to(dtype).view(shape)
 
 def get_rope(head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None) -> RotaryEmbedding:
     return RotaryEmbedding(head_dim, max_position, base, scaling)

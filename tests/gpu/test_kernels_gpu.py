@@ -1,5 +1,6 @@
-"""The Triton paged-attention kernels on CUDA at bf16, at realistic sizes, against the
-pure-torch reference run in float64: relative error ||out - ref|| / ||ref|| < 1e-2."""
+"""The Triton kernels on CUDA at bf16, at realistic sizes, against their pure-torch references:
+attention against float64 (relative error ||out - ref|| / ||ref|| < 1e-2), the per-layer ops
+and the sampler against the reference in the same dtype (one bf16 ulp)."""
 
 import pytest
 import torch
@@ -150,7 +151,7 @@ def test_other_dtypes(dtype):
 
 
 def test_sample_with_noise_at_a_llama3_vocab_in_bf16():
-    from hookllm.kernels import triton_sampling
+    from hookllm.kernels import triton_ops
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     rows, vocab = 256, 128256
@@ -158,7 +159,42 @@ def test_sample_with_noise_at_a_llama3_vocab_in_bf16():
     temperature = torch.tensor([0.0 if r % 4 == 0 else 0.6 for r in range(rows)], device=DEVICE)
     noise = torch.empty(rows, vocab, device=DEVICE).exponential_(generator=gen)
     expected = reference.sample_with_noise(logits.double(), temperature.double(), noise.double())
-    got = triton_sampling.sample_with_noise(logits, temperature, noise)
+    got = triton_ops.sample_with_noise(logits, temperature, noise)
     # fp32 in the kernel against float64 here: only a near-tie may pick another token.
     assert (got == expected).float().mean().item() > 0.99
     assert torch.equal(got[::4], logits[::4].argmax(dim=-1))
+
+
+@pytest.mark.parametrize("hidden", [2048, 4096])
+def test_fused_add_rms_norm_in_bf16(hidden):
+    from hookllm.kernels import triton_ops
+
+    x, residual = (torch.randn(256, hidden, device=DEVICE).to(BF16) for _ in range(2))
+    weight = (1 + torch.randn(hidden, device=DEVICE) / 4).to(BF16)
+    expected = reference.rms_norm(x, weight, 1e-5, residual)
+    got = triton_ops.rms_norm(x, weight, 1e-5, residual)
+    torch.testing.assert_close(got[1], expected[1], atol=0, rtol=0)  # the sum: one rounding, the same
+    torch.testing.assert_close(got[0], expected[0], atol=1e-2, rtol=1e-2)  # one bf16 ulp
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_on_a_fused_qkv_view_in_bf16(head_dim):
+    from hookllm.kernels import triton_ops
+    from hookllm.layers.rotary import RotaryEmbedding
+
+    q_size, kv_size = 32 * head_dim, 8 * head_dim
+    qkv = torch.randn(300, q_size + 2 * kv_size, device=DEVICE).to(BF16)
+    positions = torch.randint(0, 4096, (300,), device=DEVICE)
+    cos_sin = RotaryEmbedding(head_dim, 4096, 500000.0).to(DEVICE).cos_sin
+    expected, got = qkv.clone(), qkv.clone()
+    for fused, ops in ((expected, reference), (got, triton_ops)):
+        q, k, _ = fused.split([q_size, kv_size, kv_size], dim=-1)
+        ops.apply_rotary(positions, q, k, cos_sin, head_dim)
+    torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+
+
+def test_silu_and_mul_in_bf16():
+    from hookllm.kernels import triton_ops
+
+    gate_up = torch.randn(256, 2 * 8192, device=DEVICE).to(BF16)
+    torch.testing.assert_close(triton_ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), atol=1e-2, rtol=1e-2)

@@ -1,0 +1,139 @@
+"""Triton kernels for the small per-layer ops and the sampler's last pass.
+
+``rms_norm`` (with the residual add fused), ``apply_rotary``, ``silu_and_mul`` and
+``sample_with_noise`` have the signatures and semantics of their twins in
+:mod:`hookllm.kernels.reference`, including where results are rounded to the model dtype. In
+torch each is five to twenty elementwise kernels over the batch; here each is one, which in a
+decode step (hundreds of tiny kernels per forward) is most of the non-matmul time.
+
+``sample_with_noise``: one program per row streams the row's logits (any float dtype) and
+noise once, keeping a running best score per lane, instead of the five full passes (scale,
+softmax, divide, argmax) the torch version makes over a ``[rows, vocab]`` float32 tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden, x_stride, residual_stride,
+                     eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(residual_out_ptr.dtype.element_ty)  # rounded like torch's add
+        tl.store(residual_out_ptr + row * hidden + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * hidden + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    rows, hidden = x.shape
+    out = torch.empty((rows, hidden), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    residual_out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device) if residual is not None else out
+    if rows:
+        _rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, residual_out, hidden,
+                                  x.stride(0), residual.stride(0) if residual is not None else 0, eps,
+                                  HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden))
+    return out if residual is None else (out, residual_out)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, row_stride, num_heads, cos, sin, token, d, HALF, BLOCK_H: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)
+    ptrs = x_ptr + token * row_stride + heads[:, None] * (2 * HALF) + d[None, :]
+    mask = (heads[:, None] < num_heads) & (d[None, :] < HALF)
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptrs + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_stride, k_stride, cos_sin_stride, num_q_heads,
+                   num_k_heads, HALF, BLOCK_D: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr):
+    token = tl.program_id(0)
+    position = tl.load(positions_ptr + token)
+    d = tl.arange(0, BLOCK_D)
+    cos = tl.load(cos_sin_ptr + position * cos_sin_stride + d, mask=d < HALF, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + position * cos_sin_stride + HALF + d, mask=d < HALF, other=0.0)[None, :]
+    _rotate_heads(q_ptr, q_stride, num_q_heads, cos, sin, token, d, HALF, BLOCK_QH)
+    _rotate_heads(k_ptr, k_stride, num_k_heads, cos, sin, token, d, HALF, BLOCK_KH)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+                 head_dim: int) -> None:
+    num_tokens = q.shape[0]
+    if num_tokens:
+        half = head_dim // 2
+        _rotary_kernel[(num_tokens,)](positions, q, k, cos_sin, q.stride(0), k.stride(0), cos_sin.stride(0),
+                                      q.shape[1] // head_dim, k.shape[1] // head_dim, half,
+                                      BLOCK_D=triton.next_power_of_2(half),
+                                      BLOCK_QH=triton.next_power_of_2(q.shape[1] // head_dim),
+                                      BLOCK_KH=triton.next_power_of_2(k.shape[1] // head_dim))
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, d, in_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(gate_up_ptr + row * in_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * in_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * d + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    rows, d = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, d), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(d))
+    if rows:
+        _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](gate_up, out, d, gate_up.stride(0), BLOCK=block)
+    return out
+
+
+@triton.jit
+def _sample_with_noise_kernel(logits_ptr, noise_ptr, temperature_ptr, out_ptr, vocab, logits_stride,
+                              noise_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    temperature = tl.load(temperature_ptr + row)
+    sampled = temperature > 0.0
+    divisor = tl.where(sampled, temperature, 1.0)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_col = tl.zeros([BLOCK], tl.int32)
+    noise_end = tl.where(sampled, vocab, 0)  # greedy rows never read their noise
+    for start in range(0, vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        in_row = cols < vocab
+        x = tl.load(logits_ptr + row * logits_stride + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+        q = tl.load(noise_ptr + row * noise_stride + cols, mask=cols < noise_end, other=1.0)
+        score = tl.where(sampled, x / divisor - tl.log(q), x)
+        better = score > best  # strict: each lane keeps its first column among equals
+        best = tl.where(better, score, best)
+        best_col = tl.where(better, cols, best_col)
+    top = tl.max(best, axis=0)
+    # The first column holding the top score, as torch.argmax picks it.
+    col = tl.min(tl.where(best == top, best_col, vocab), axis=0)
+    tl.store(out_ptr + row, tl.minimum(col, vocab - 1).to(tl.int64))
+
+
+def sample_with_noise(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    if rows:
+        _sample_with_noise_kernel[(rows,)](logits, noise, temperature, out, vocab, logits.stride(0), noise.stride(0),
+                                           BLOCK=min(BLOCK, triton.next_power_of_2(vocab)))
+    return out
