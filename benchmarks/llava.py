@@ -78,14 +78,28 @@ def run_hookllm(path: Path, images: list[Image.Image], args) -> dict:
 
     llm = LLM(str(path), plugins=["llava"], max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens)
-    params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True, output_kind="final_only")
     llm.generate({"prompt_token_ids": PROMPT_IDS, "multi_modal_data": {"image": random_images(1)[0].rotate(90)}},
                  SamplingParams(max_tokens=8))  # warm-up, with an image the timed run doesn't use
+    # Driven step by step to time its phases: preprocessing (add_request), the steps until every
+    # prompt (image rows included) is computed, and the decode steps after.
+    engine = llm.engine
     torch.cuda.synchronize()
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": PROMPT_IDS, "multi_modal_data": {"image": image}} for image in images], params)
+    for image in images:
+        engine.add_request({"prompt_token_ids": PROMPT_IDS, "multi_modal_data": {"image": image}}, params)
+    added = time.perf_counter()
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()
+    torch.cuda.synchronize()
+    prefilled = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
     torch.cuda.synchronize()
     row = summarize("hookllm", time.perf_counter() - start, len(images), args.output_tokens)
+    row["phases_s"] = {"preprocess": added - start, "prefill": prefilled - added,
+                       "decode": row["wall_s"] - (prefilled - start)}
+    print(f"hookllm phases: {row['phases_s']}", flush=True)
     row["kv_cache_tokens"] = llm.engine.block_manager.num_blocks * llm.engine.config.block_size
     del llm
     return row
