@@ -149,7 +149,9 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Arguments that change from step to step are not specialized (Triton otherwise compiles a new
+# variant when an int turns 1 or a multiple of 16: seconds of compiling in the middle of serving).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
@@ -240,7 +242,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr,
     num_heads, num_splits,
