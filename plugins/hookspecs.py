@@ -74,6 +74,9 @@ def process_logits(logits, batch):
 
     Row ``j`` belongs to ``batch.sampling_requests[j]``; its ``sampling_params`` (including
     ``extra_args``) and ``all_token_ids`` are there for penalties, bans and grammar masks.
+    With async scheduling (the CUDA default) a decoding request's ``all_token_ids`` lacks the
+    token of the step still running (``request.num_output_placeholders`` says how many); run
+    with ``async_scheduling=False`` when a plugin needs the exact history.
     """
 
 
