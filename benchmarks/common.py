@@ -68,5 +68,17 @@ def write_result(name: str, payload: dict) -> Path:
     return path
 
 
+def print_engine_table(results: dict[str, dict], columns: list[tuple[str, str, str]]) -> None:
+    """One row per engine: each (header, result key, format spec) column, then hookllm's speed-up over it."""
+    ours = results["hookllm"]["output_tok_s"]
+    print(f"{'engine':<22}" + "".join(f"{header:>13}" for header, _, _ in columns) + f"{'hookllm x':>11}")
+    for name, row in results.items():
+        if "error" in row:
+            print(f"{name:<22} error: {row['error'][:80]}")
+            continue
+        cells = "".join(f"{row[key]:>13{spec}}" for _, key, spec in columns)
+        print(f"{name:<22}{cells}{ours / row['output_tok_s']:>11.2f}")
+
+
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

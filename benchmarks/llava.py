@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import commit, device_name, now, write_result  # noqa: E402
+from common import commit, device_name, now, print_engine_table, write_result  # noqa: E402
 
 IMAGE_SIZE = 336
 IMAGE_TOKEN_ID = 32000
@@ -162,14 +162,8 @@ def main() -> None:
                            "ignore_eos", "results": results}
     write_result("llava", payload)
     print(f"\n{payload['model']} on {payload['device']} ({payload['commit']})")
-    print(f"{'engine':<14}{'out tok/s':>11}{'images/s':>10}{'wall s':>9}{'hookllm x':>11}")
-    ours = results["hookllm"]["output_tok_s"]
-    for name, row in results.items():
-        if "error" in row:
-            print(f"{name:<14} error: {row['error'][:80]}")
-            continue
-        print(f"{name:<14}{row['output_tok_s']:>11.0f}{row['images_s']:>10.2f}{row['wall_s']:>9.1f}"
-              f"{ours / row['output_tok_s']:>11.2f}")
+    print_engine_table(results, [("out tok/s", "output_tok_s", ".0f"), ("images/s", "images_s", ".2f"),
+                                 ("wall s", "wall_s", ".1f")])
 
 
 if __name__ == "__main__":

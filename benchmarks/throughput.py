@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import HBM_BYTES_PER_S, SHAPES, commit, device_name, now, random_checkpoint, write_result  # noqa: E402
+from common import (HBM_BYTES_PER_S, SHAPES, commit, device_name, now, print_engine_table,  # noqa: E402
+                    random_checkpoint, write_result)
 
 
 def workload_a(num_requests: int = 256) -> tuple[list[list[int]], list[int]]:
@@ -229,13 +230,8 @@ def main() -> None:
     ours = results["hookllm"]["output_tok_s"]
     print(f"\n{args.shape} on {payload['device']} ({payload['commit']}); physical limit "
           f"{limit['output_tok_s']:.0f} tok/s = sum(max_tokens) / ((steps * weight_bytes + sum KV bytes) / 4.3e12)")
-    print(f"{'engine':<22}{'out tok/s':>11}{'total tok/s':>13}{'req/s':>8}{'wall s':>9}{'hookllm x':>11}")
-    for name, row in results.items():
-        if "error" in row:
-            print(f"{name:<22} error: {row['error'][:80]}")
-            continue
-        print(f"{name:<22}{row['output_tok_s']:>11.0f}{row['total_tok_s']:>13.0f}{row['requests_s']:>8.2f}"
-              f"{row['wall_s']:>9.1f}{ours / row['output_tok_s']:>11.2f}")
+    print_engine_table(results, [("out tok/s", "output_tok_s", ".0f"), ("total tok/s", "total_tok_s", ".0f"),
+                                 ("req/s", "requests_s", ".2f"), ("wall s", "wall_s", ".1f")])
     print(f"hookllm reaches {ours / limit['output_tok_s']:.1%} of the physical limit; "
           f"KV cache {results['hookllm']['kv_cache_tokens']} tokens")
     if "latency" in results["hookllm"]:

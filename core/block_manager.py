@@ -66,13 +66,15 @@ class BlockManager:
 
     def block_tables(self, requests: list[Request]) -> np.ndarray:
         """``[len(requests), max blocks among them]`` int32: each request's block ids, 0-padded."""
-        width = max(len(r.block_ids) for r in requests)
+        width = max((len(r.block_ids) for r in requests), default=0)
         return self.table[[r.block_table_row for r in requests], :width]
 
     def _take_row(self) -> int:
         if not self.free_rows:
             rows = len(self.table)
-            self.table = np.concatenate([self.table, np.zeros_like(self.table, shape=(max(rows, 16), self.table.shape[1]))])
+            grown = np.zeros((rows + max(rows, 16), self.table.shape[1]), dtype=np.int32)
+            grown[:rows] = self.table
+            self.table = grown
             self.free_rows = list(range(len(self.table) - 1, rows - 1, -1))
         return self.free_rows.pop()
 

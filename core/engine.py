@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections import deque
 import json
+from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -13,13 +13,13 @@ import torch
 
 from hookllm.block_manager import BlockManager
 from hookllm.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, text_config_of
+from hookllm.model_runner import StepOutput
 from hookllm.outputs import CompletionOutput, RequestOutput
 from hookllm.plugins.manager import PluginManager
 from hookllm.request import Request, RequestStatus
 from hookllm.sampling_params import SamplingParams
 from hookllm.scheduler import Scheduler, SchedulerOutput
 from hookllm.tokenizer import IncrementalDetokenizer, load_tokenizer
-from hookllm.model_runner import StepOutput
 from hookllm.worker import Worker
 
 

@@ -94,8 +94,7 @@ class Scheduler:
             scheduled.append(request)
             counts.append(num_new)
             budget -= num_new
-        tables = self.block_manager.block_tables(scheduled) if scheduled else np.zeros((0, 0), dtype=np.int32)
-        return SchedulerOutput(scheduled, counts, tables, preempted)
+        return SchedulerOutput(scheduled, counts, self.block_manager.block_tables(scheduled), preempted)
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)

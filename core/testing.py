@@ -75,14 +75,25 @@ def prompt_logits(llm: LLM, prompt_token_ids: list[int]) -> torch.Tensor:
     """hookllm's logits at every prompt position (one prefill through the model runner)."""
     engine = llm.engine
     request = Request("prompt-logits", list(prompt_token_ids), SamplingParams())
-    if not engine.block_manager.allocate_slots(request, request.num_tokens):
-        raise RuntimeError("not enough free KV blocks for the prompt")
     try:
-        hidden_states, _ = engine.worker.runner.forward(SchedulerOutput([request], [request.num_tokens], engine.block_manager.block_tables([request])))
+        hidden_states = forward_chunk(engine, request, request.num_tokens)
         with torch.inference_mode():
             return engine.worker.model.compute_logits(hidden_states).float().cpu()
     finally:
         engine.block_manager.free(request)
+
+
+def forward_chunk(engine: Any, request: Request, count: int) -> torch.Tensor:
+    """Run ``request``'s next ``count`` tokens alone through the model runner: their hidden states.
+
+    Allocates the KV blocks they need (the caller frees them); ``num_computed_tokens`` is left
+    for the caller to advance.
+    """
+    if not engine.block_manager.allocate_slots(request, count):
+        raise RuntimeError("not enough free KV blocks for the chunk")
+    batch = SchedulerOutput([request], [count], engine.block_manager.block_tables([request]))
+    hidden_states, _ = engine.worker.runner.forward(batch)
+    return hidden_states
 
 
 def reference_greedy(model: Any, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -41,7 +41,6 @@ def get_attention_backend(name: str) -> ModuleType:
     return reference
 
 
-
 def ops_for(tensor: torch.Tensor) -> ModuleType:
     """:mod:`hookllm.kernels.triton_ops` for a CUDA tensor, :mod:`hookllm.kernels.reference` otherwise."""
     if tensor.is_cuda:

@@ -24,7 +24,6 @@ from transformers import (
 from hookllm import testing
 from hookllm.request import Request
 from hookllm.sampling_params import SamplingParams
-from hookllm.scheduler import SchedulerOutput
 
 IMAGE_SIZE, PATCH_SIZE = 28, 7  # 16 patches: an image is 16 rows ("default") or 17 ("full")
 VOCAB_SIZE = 100
@@ -120,8 +119,7 @@ def prompt_logits_chunked(llm, prompt: str, images: list[Image.Image], chunk: in
     try:
         while request.num_computed_tokens < request.num_tokens:
             count = min(chunk, request.num_tokens - request.num_computed_tokens)
-            assert engine.block_manager.allocate_slots(request, count)
-            hidden_states, _ = engine.worker.runner.forward(SchedulerOutput([request], [count], engine.block_manager.block_tables([request])))
+            hidden_states = testing.forward_chunk(engine, request, count)
             with torch.inference_mode():
                 logits.append(engine.worker.model.compute_logits(hidden_states).float())
             request.num_computed_tokens += count
