@@ -86,8 +86,8 @@ def run_hookllm(path: Path, images: list[Image.Image], args) -> dict:
     engine = llm.engine
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for image in images:
-        engine.add_request({"prompt_token_ids": PROMPT_IDS, "multi_modal_data": {"image": image}}, params)
+    for i, image in enumerate(images):
+        engine.add_request(f"r{i}", {"prompt_token_ids": PROMPT_IDS, "multi_modal_data": {"image": image}}, params)
     added = time.perf_counter()
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
         engine.step()

@@ -81,8 +81,8 @@ def main() -> None:
               async_scheduling=not args.sync)
     engine = llm.engine
     prompts, _ = workload_a(args.num_requests)
-    for prompt in prompts:
-        engine.add_request({"prompt_token_ids": prompt},
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1000, output_kind="final_only"))
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
         engine.step()

@@ -94,8 +94,8 @@ def run_latency(llm, prompts, max_tokens, rate: float, num_requests: int) -> dic
         now_s = time.perf_counter() - start
         while pending and arrivals[pending[0]] <= now_s:
             i = pending.pop(0)
-            engine.add_request({"prompt_token_ids": prompts[i]},
-                               SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens[i]), f"lat{i}")
+            engine.add_request(f"lat{i}", {"prompt_token_ids": prompts[i]},
+                               SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens[i]))
             sent[f"lat{i}"] = time.perf_counter()
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, arrivals[pending[0]] - now_s))

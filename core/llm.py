@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Sequence
 
+from hookllm.chat import render_chat
 from hookllm.config import EngineConfig
 from hookllm.engine import LLMEngine
 from hookllm.outputs import RequestOutput
@@ -21,11 +23,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any):
-        if model is None:
-            from hookllm.default_model import default_model_dir
-
-            model = str(default_model_dir())
-        self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._request_counter = itertools.count()
 
     @property
     def tokenizer(self) -> Any:
@@ -54,7 +53,7 @@ class LLM:
             for prompt, params in zip(prompts, sampling_params):
                 # Only the final output is needed here: skip building one every step.
                 params = dataclasses.replace(params, output_kind="final_only")
-                request_ids.append(self.engine.add_request(prompt, params))
+                request_ids.append(self.engine.add_request(self._next_request_id(), prompt, params))
         except ValueError as exc:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
@@ -66,46 +65,30 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate.
+        """Apply the chat template to one conversation (or a list of them) and generate.
 
-        OpenAI-style content parts are accepted: ``{"type": "text", "text": ...}`` and
-        ``{"type": "image", "image": PIL.Image}`` / ``{"type": "image_url", "image_url": ...}``;
-        each image part becomes an ``<image>`` placeholder and joins ``multi_modal_data``.
+        OpenAI-style content parts are accepted: ``{"type": "text", "text": ...}``, and any other
+        part (``image_url``, ``image``, a plugin's own) is rendered by an active plugin's
+        ``render_content_part`` hook (the LLaVA adapter renders images).
         """
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self._render_chat(conv, chat_template_kwargs or {}) for conv in conversations]
+        prompts = [render_chat(self.engine, conversation, chat_template, add_generation_prompt,
+                               continue_final_message, tools, chat_template_kwargs)
+                   for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _render_chat(self, conversation: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> dict[str, Any]:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"{self.engine.config.model} has no chat template; use generate() with a raw prompt")
-        images: list[Any] = []
-        flat = []
-        for message in conversation:
-            content = message.get("content", "")
-            if isinstance(content, list):
-                pieces = []
-                for part in content:
-                    kind = part.get("type")
-                    if kind == "text":
-                        pieces.append(part["text"])
-                    elif kind in ("image", "image_url", "image_pil"):
-                        image = part.get("image") or part.get("image_pil") or part.get("image_url")
-                        images.append(image["url"] if isinstance(image, dict) else image)
-                        pieces.append("<image>")
-                    else:
-                        raise ValueError(f"unsupported chat content part type {kind!r}")
-                content = "\n".join(pieces)
-            flat.append({**message, "content": content})
-        text = tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True, **template_kwargs)
-        # The template already holds any BOS token: tokenize without adding special tokens again.
-        prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
-        if images:
-            prompt["multi_modal_data"] = {"image": images}
-        return prompt
+    def _next_request_id(self) -> str:
+        """A fresh id: never one a user gave the engine directly (those are skipped)."""
+        while True:
+            request_id = str(next(self._request_counter))
+            if not self.engine.has_request(request_id):
+                return request_id
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

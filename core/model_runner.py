@@ -17,7 +17,7 @@ from torch import nn
 
 from hookllm.cuda_graph import CudaGraphRunner
 from hookllm.forward_context import AttentionMetadata, set_forward_context
-from hookllm.plugins.manager import HookCaller
+from hookllm.plugins.manager import ActiveHooks
 from hookllm.scheduler import SchedulerOutput
 
 
@@ -76,8 +76,15 @@ class SamplerContractError(RuntimeError):
     pass
 
 
+def _plugins_phrase(plugins: list[str]) -> str:
+    """Who broke a firstresult hook's contract: the one overriding plugin, or the candidates."""
+    if len(plugins) == 1:
+        return f"plugin {plugins[0]!r}"
+    return "one of the plugins " + ", ".join(repr(p) for p in plugins)
+
+
 class ModelRunner:
-    def __init__(self, model: nn.Module, hooks: HookCaller, device: torch.device, block_size: int,
+    def __init__(self, model: nn.Module, hooks: ActiveHooks, device: torch.device, block_size: int,
                  attention_backend: ModuleType):
         self.model = model
         self.hooks = hooks
@@ -170,22 +177,20 @@ class ModelRunner:
             hidden_states = hidden_states[inputs.logits_indices]
         logits = self.model.compute_logits(hidden_states).float()
         self.hooks.hook.process_logits(logits=logits, batch=batch)
-        sampled, plugin = self.hooks.call_first("sample", logits=logits, batch=batch)
-        self._check_sampled(sampled, plugin, logits.shape[0])
+        sampled = self.hooks.hook.sample(logits=logits, batch=batch)
+        self._check_sampled(sampled, self.hooks.overriding_plugins("sample"), logits.shape[0])
         # The next step reads these rows on the device for requests whose token is not known yet.
         self.last_sampled = sampled
         self.last_sampled_rows = {r.request_id: row for row, r in enumerate(batch.sampling_requests)}
         return self._step_output(logits, batch, sampled)
 
     @staticmethod
-    def _check_sampled(sampled: object, plugin: str | None, num_rows: int) -> None:
-        if plugin is None:
-            raise SamplerContractError("no plugin implements the sample hook")
+    def _check_sampled(sampled: object, plugins: list[str], num_rows: int) -> None:
         if not isinstance(sampled, torch.Tensor) or sampled.dtype != torch.long or sampled.shape != (num_rows,):
             got = (f"tensor of dtype {sampled.dtype} and shape {tuple(sampled.shape)}"
                    if isinstance(sampled, torch.Tensor) else type(sampled).__name__)
             raise SamplerContractError(
-                f"plugin {plugin!r}: the sample hook must return a 1-D torch.long tensor of "
+                f"{_plugins_phrase(plugins)}: the sample hook must return a 1-D torch.long tensor of "
                 f"{num_rows} token ids (one per logits row), got {got}"
             )
 

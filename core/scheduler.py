@@ -43,6 +43,19 @@ class SchedulerOutput:
         return not self.requests
 
 
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_used_blocks: int
+    num_blocks: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of the KV cache's blocks held by requests, 0 to 1."""
+        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.block_manager = block_manager
@@ -53,6 +66,11 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    def stats(self) -> SchedulerStats:
+        manager = self.block_manager
+        return SchedulerStats(len(self.running), len(self.waiting),
+                              manager.num_blocks - manager.num_free_blocks, manager.num_blocks)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

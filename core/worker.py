@@ -14,14 +14,14 @@ from hookllm.cuda_graph import CudaGraphRunner
 from hookllm.forward_context import AttentionMetadata, set_forward_context
 from hookllm.kernels import get_attention_backend, resolve_attention_backend
 from hookllm.layers.attention import Attention
-from hookllm.model_runner import ModelRunner, StepOutput
-from hookllm.plugins.manager import HookCaller
+from hookllm.model_runner import ModelRunner, StepOutput, _plugins_phrase
+from hookllm.plugins.manager import ActiveHooks
 from hookllm.registry import ModelRegistry
 from hookllm.scheduler import SchedulerOutput
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, hooks: HookCaller, registry: ModelRegistry):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, hooks: ActiveHooks, registry: ModelRegistry):
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
@@ -31,11 +31,10 @@ class Worker:
         self.attention_backend = get_attention_backend(backend)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        model, plugin = hooks.call_first(
-            "load_model", model_config=model_config, device=self.device, dtype=self.dtype, registry=registry
-        )
+        model = hooks.hook.load_model(model_config=model_config, device=self.device, dtype=self.dtype, registry=registry)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"plugin {plugin!r}: load_model must return a torch.nn.Module, got {type(model).__name__}")
+            raise TypeError(f"{_plugins_phrase(hooks.overriding_plugins('load_model'))}: load_model must return "
+                            f"a torch.nn.Module, got {type(model).__name__}")
         self.model = model
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         if not self.attention_layers:

@@ -27,8 +27,15 @@ def hook_reference() -> str:
             continue
         rule = ("firstresult: the first non-None result wins, the core default comes last"
                 if spec.get("firstresult") else "all: every implementation is called")
-        sections.append(f"### `{name}{inspect.signature(func)}`\n\n*{rule}*\n\n{_markdown(inspect.getdoc(func))}\n")
+        sections.append(f"### `{name}{_signature(func)}`\n\n*{rule}*\n\n{_markdown(inspect.getdoc(func))}\n")
     return "\n".join(sections)
+
+
+def _signature(func) -> str:
+    """``(name: Type, ...) -> Type`` with the hookspec's annotations as written (they are strings)."""
+    signature = inspect.signature(func)
+    params = ", ".join(f"{p.name}: {p.annotation}" for p in signature.parameters.values())
+    return f"({params}) -> {signature.return_annotation}"
 
 
 def _markdown(docstring: str) -> str:

@@ -1,13 +1,27 @@
-"""The hook points of hookllm. Each function's docstring is the hook's documentation.
+"""The hook points of hookllm. Each function's signature and docstring are the hook's documentation.
 
-Plugins implement hooks with ``from hookllm import hookimpl``. The core calls every hook with
-keyword arguments; an implementation may accept any subset of them. The core's own defaults
-are registered as ``trylast`` plugins, so a plugin overrides only what it needs.
+Plugins implement hooks with ``from hookllm import hookimpl``. The core calls every hook through
+pluggy with keyword arguments; an implementation may accept any subset of them. The core's own
+defaults are registered as ``trylast`` plugins, so a plugin overrides only what it needs. Hook
+wrappers (``@hookimpl(wrapper=True)``) and pluggy's tracing apply to every hook.
 """
 
 from __future__ import annotations
 
+import argparse
+from typing import TYPE_CHECKING, Any
+
 import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from hookllm.batch import Batch, RequestState
+    from hookllm.chat import RenderedContent
+    from hookllm.config import ModelConfig
+    from hookllm.model_runner import ModelInputs
+    from hookllm.registry import ScopedRegistry
+    from hookllm.request import Request
 
 PROJECT_NAME = "hookllm"
 
@@ -16,7 +30,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 @hookspec
-def register_models(registry):
+def register_models(registry: ScopedRegistry) -> None:
     """Register model classes by the ``architectures`` name of their config.json.
 
     Called on every installed plugin (selected or not), so the registry knows every
@@ -30,73 +44,100 @@ def register_models(registry):
 
 
 @hookspec(firstresult=True)
-def load_model(model_config, device, dtype, registry):
+def load_model(
+    model_config: ModelConfig, device: torch.device, dtype: torch.dtype, registry: ScopedRegistry
+) -> torch.nn.Module | None:
     """Return a ready ``torch.nn.Module`` with its weights loaded, or None to pass.
 
     ``model_config`` is a :class:`hookllm.config.ModelConfig` (``path``, ``hf_config``,
-    ``architecture``); ``device`` a ``torch.device``; ``dtype`` a ``torch.dtype``;
-    ``registry`` the :class:`hookllm.registry.ModelRegistry` (to build a sub-model, as the
-    LLaVA adapter builds its text decoder). The first non-None result wins; the core default
-    (``trylast``) builds ``registry.resolve(model_config.architecture)(hf_config)`` and calls
-    its ``load_weights`` with the checkpoint's safetensors tensors.
+    ``architecture``); ``registry`` the :class:`hookllm.registry.ModelRegistry` (to build a
+    sub-model, as the LLaVA adapter builds its text decoder). The first non-None result wins;
+    the core default (``trylast``) builds ``registry.resolve(model_config.architecture)(hf_config)``
+    and calls its ``load_weights`` with the checkpoint's safetensors tensors.
+    """
+
+
+@hookspec(firstresult=True)
+def render_content_part(part: dict[str, Any], model_config: ModelConfig) -> RenderedContent | None:
+    """Render one non-text chat content part (or CLI attachment) into prompt text and inputs.
+
+    ``LLM.chat``, the server and ``hookllm generate --image`` hand every content part whose
+    ``type`` is not ``"text"`` to this hook: an OpenAI-style ``{"type": "image_url",
+    "image_url": {"url": ...}}``, ``{"type": "image", "image": PIL image or path}`` or a
+    plugin's own type. Return a :class:`hookllm.chat.RenderedContent` with the text that
+    stands for the part in the prompt (the model's placeholder) and the ``multi_modal_data``
+    it adds, e.g. ``RenderedContent("<image>", {"image": [url]})``; or None to pass. A part
+    that no active plugin renders is a ``ValueError`` naming its type. The core knows no
+    model's placeholder: this hook is where a multimodal adapter says what it is::
+
+        @hookimpl
+        def render_content_part(part, model_config):
+            if part["type"] == "image_url":
+                return RenderedContent("<image>", {"image": [part["image_url"]["url"]]})
     """
 
 
 @hookspec
-def preprocess_request(request, tokenizer, model_config):
+def preprocess_request(request: Request, tokenizer: Any, model_config: ModelConfig) -> None:
     """Adjust a new request in place before it is queued.
 
     ``request`` is a :class:`hookllm.request.Request` whose ``prompt_token_ids`` the core has
-    already tokenized (``request.prompt`` holds the text, if any; ``request.multi_modal_data``
-    the user's non-text inputs). A multimodal adapter expands placeholders into the tokens its
-    encoder fills and appends :class:`hookllm.request.MultiModalItem` records (offset, length,
-    content hash, data) to ``request.mm_items``. Raise ``ValueError`` for bad input: only this
-    request fails.
+    already tokenized and checked (ids in the vocabulary; ``request.prompt`` holds the text, if
+    any; ``request.multi_modal_data`` the user's non-text inputs). A multimodal adapter expands
+    placeholders into the tokens its encoder fills (``request.reset_prompt``) and appends
+    :class:`hookllm.request.MultiModalItem` records (offset, length, content hash, data) to
+    ``request.mm_items``. The length limits are checked after this hook. Raise ``ValueError``
+    for bad input: only this request fails.
     """
 
 
 @hookspec
-def prepare_inputs(batch, inputs, model):
+def prepare_inputs(batch: Batch, inputs: ModelInputs, model: torch.nn.Module) -> None:
     """Adjust the model inputs the core built for this step, in place.
 
-    ``batch`` is the :class:`hookllm.scheduler.SchedulerOutput`: ``batch.requests`` in flat
+    ``batch`` is the step's read-only :class:`hookllm.batch.Batch`: ``batch.requests`` in flat
     row order with ``batch.num_scheduled_tokens``; request ``i``'s rows are
     ``inputs.query_start[i]:inputs.query_start[i+1]`` and cover its positions
-    ``request.num_computed_tokens`` onwards. ``inputs`` is a
+    ``batch.requests[i].num_computed_tokens`` onwards. ``inputs`` is a
     :class:`hookllm.model_runner.ModelInputs`; set ``inputs.inputs_embeds`` (``[num_tokens,
     hidden]``) to feed embeddings instead of ``input_ids``.
     """
 
 
 @hookspec
-def process_logits(logits, batch):
+def process_logits(logits: torch.Tensor, batch: Batch) -> None:
     """Modify ``logits`` (``[num_sampling_rows, vocab]``, float32) in place before sampling.
 
-    Row ``j`` belongs to ``batch.sampling_requests[j]``; its ``sampling_params`` (including
-    ``extra_args``) and ``all_token_ids`` are there for penalties, bans and grammar masks.
-    With async scheduling (the CUDA default) a decoding request's ``all_token_ids`` lacks the
-    token of the step still running (``request.num_output_placeholders`` says how many); run
-    with ``async_scheduling=False`` when a plugin needs the exact history.
+    Row ``j`` belongs to ``batch.sampling_requests[j]``, a read-only
+    :class:`hookllm.batch.RequestState`: ``request_id``, ``sampling_params`` (with
+    ``extra_args``), ``prompt_token_ids``, ``output_token_ids``, ``mm_items``. With async
+    scheduling (the CUDA default) a decoding request's ``output_token_ids`` lacks the token of
+    the step still running on the device; ``batch.exact_output_token_ids()`` waits for that
+    step alone (not this one) and returns every sampling row's complete output ids.
     """
 
 
 @hookspec(firstresult=True)
-def sample(logits, batch):
+def sample(logits: torch.Tensor, batch: Batch) -> torch.Tensor | None:
     """Return a 1-D ``torch.long`` tensor with one token id per logits row, or None to pass.
 
-    The core default does greedy, temperature, top-k, top-p and min-p sampling with per-request
-    seeds. A plugin returning anything else (floats, the wrong length) fails the step with an
-    error naming the plugin.
+    The core default does greedy, temperature, top-k, top-p and min-p sampling, with the
+    engine's generator (``batch.generator``) and per-request seeds. A plugin returning anything
+    else (floats, the wrong length) fails the step with an error naming the plugin.
     """
 
 
 @hookspec
-def request_finished(request):
-    """A request finished or was aborted: release what the plugin keeps for it (e.g. an encoder cache)."""
+def request_finished(request: RequestState, model: torch.nn.Module) -> None:
+    """A request finished or was aborted: release what the plugin keeps for it.
+
+    Called where the model lives (in every worker), with the request's read-only state and the
+    loaded model, e.g. to drop the request's entries from an encoder cache kept on the model.
+    """
 
 
 @hookspec
-def add_cli_options(parser):
+def add_cli_options(parser: argparse.ArgumentParser) -> None:
     """Add plugin-specific flags to the ``hookllm generate`` argparse parser (all installed plugins).
 
     The parsed values reach every request as ``SamplingParams.extra_args[dest]``::

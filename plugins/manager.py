@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from importlib import metadata
 from types import ModuleType
-from typing import Any, Iterable
+from typing import Iterable
 
 import pluggy
 
@@ -34,21 +34,28 @@ class PluginInfo:
     architectures: list[str] = field(default_factory=list)
 
 
-def _hook_names(module: ModuleType) -> list[str]:
-    return sorted(
-        name for name in dir(module)
-        if getattr(getattr(module, name), hookspecs.PROJECT_NAME + "_impl", None) is not None
-    )
+def _new_plugin_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    return pm
 
 
-def _validate(info: PluginInfo) -> None:
-    known = {name for name in dir(hookspecs) if hasattr(getattr(hookspecs, name), hookspecs.PROJECT_NAME + "_spec")}
-    unknown = [h for h in info.hooks if h not in known]
-    if unknown:
-        raise ValueError(
-            f"plugin {info.name!r} implements unknown hook(s) {', '.join(unknown)}; "
-            f"the hooks are: {', '.join(sorted(known))}"
-        )
+def _check_hooks(name: str, module: ModuleType) -> list[str]:
+    """The hooks ``module`` implements. ``ValueError`` for an implementation of no known hook
+    (pluggy's ``check_pending``) or one taking arguments its hook does not pass."""
+    pm = _new_plugin_manager()
+    try:
+        pm.register(module, name=name)
+        callers = pm.get_hookcallers(module) or []
+        unknown = [caller.name for caller in callers if not caller.has_spec()]
+        if unknown:
+            known = sorted(n for n, f in vars(hookspecs).items() if pm.parse_hookspec_opts(hookspecs, n))
+            raise ValueError(f"plugin {name!r} implements unknown hook(s) {', '.join(unknown)}; "
+                             f"the hooks are: {', '.join(known)}")
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise ValueError(f"plugin {name!r}: {exc}") from None
+    return sorted(caller.name for caller in callers)
 
 
 def _allowed_names() -> set[str] | None:
@@ -70,8 +77,7 @@ def discover_plugins() -> dict[str, PluginInfo]:
         info = PluginInfo(ep.name, None, dist.metadata["Name"] if dist else "", dist.version if dist else "")
         try:
             info.module = ep.load()
-            info.hooks = _hook_names(info.module)
-            _validate(info)
+            info.hooks = _check_hooks(ep.name, info.module)
         except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
             info.module = None
             info.error = f"{type(exc).__name__}: {exc}"
@@ -85,13 +91,14 @@ class PluginManager:
     def __init__(self, plugins: dict[str, PluginInfo] | None = None):
         self.plugins = discover_plugins() if plugins is None else plugins
         self.registry = ModelRegistry()
-        registrations = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-        registrations.add_hookspecs(hookspecs)
+        registrations = _new_plugin_manager()
         for info in self.loaded():
             registrations.register(info.module, name=info.name)
-        for impl in registrations.hook.register_models.get_hookimpls():
-            impl.function(registry=self.registry.scoped(impl.plugin_name))
         for info in self.loaded():
+            # One plugin at a time, so each registration is recorded under its plugin's name.
+            others = [other.module for other in self.loaded() if other is not info]
+            register = registrations.subset_hook_caller("register_models", remove_plugins=others)
+            register(registry=self.registry.scoped(info.name))
             info.architectures = self.registry.architectures_of(info.name)
         self.all_plugins = registrations  # add_cli_options runs on every installed plugin
 
@@ -128,18 +135,17 @@ class PluginManager:
             "select exactly one of them with --plugin / LLM(plugins=[...])"
         )
 
-    def active_hooks(self, names: list[str]) -> "HookCaller":
-        """Hook callers over the named plugins plus the core defaults (registered ``trylast``)."""
-        pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-        pm.add_hookspecs(hookspecs)
+    def active_hooks(self, names: list[str]) -> "ActiveHooks":
+        """The hooks of the named plugins plus the core defaults (registered ``trylast``)."""
+        pm = _new_plugin_manager()
         pm.register(defaults, name=CORE_PLUGIN)
         for name in dict.fromkeys(names):
             pm.register(self.plugins[name].module, name=name)
-        return HookCaller(pm)
+        return ActiveHooks(pm)
 
 
-class HookCaller:
-    """Calls hooks of one active plugin set; ``call_first`` also says which plugin answered."""
+class ActiveHooks:
+    """The hooks of one engine's active plugins: ``hooks.hook.NAME(**kwargs)`` calls them through pluggy."""
 
     def __init__(self, pm: pluggy.PluginManager):
         self.pm = pm
@@ -149,10 +155,11 @@ class HookCaller:
     def plugin_names(self) -> list[str]:
         return [name for name, _ in self.pm.list_name_plugin()]
 
-    def call_first(self, hook_name: str, **kwargs: Any) -> tuple[Any, str | None]:
-        """Run a firstresult hook in pluggy's order; return (result, plugin name) of the first non-None."""
-        for impl in reversed(getattr(self.hook, hook_name).get_hookimpls()):
-            result = impl.function(**{k: kwargs[k] for k in impl.argnames})
-            if result is not None:
-                return result, impl.plugin_name
-        return None, None
+    def overriding_plugins(self, hook_name: str) -> list[str]:
+        """The plugins other than the core implementing ``hook_name``, in pluggy's call order.
+
+        The core defaults keep their contracts, so a firstresult hook's result that breaks one
+        came from one of these: contract errors name them.
+        """
+        impls = reversed(getattr(self.hook, hook_name).get_hookimpls())
+        return [impl.plugin_name for impl in impls if impl.plugin_name != CORE_PLUGIN]

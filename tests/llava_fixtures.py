@@ -125,7 +125,7 @@ def prompt_logits_chunked(llm, prompt: str, images: list[Image.Image], chunk: in
             request.num_computed_tokens += count
     finally:
         engine.block_manager.free(request)
-        engine.hooks.hook.request_finished(request=request)
+        engine.hooks.hook.request_finished(request=request, model=engine.worker.model)
     return torch.cat(logits)
 
 

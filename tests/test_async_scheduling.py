@@ -11,7 +11,7 @@ PROMPT = "Paris is the capital of"
 
 def test_each_step_reports_the_tokens_of_the_step_before(make_llm):
     engine = make_llm(async_scheduling=True).engine
-    engine.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    engine.add_request("0", PROMPT, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert engine.step() == []  # the prefill is launched, its token not read yet
     lengths = []
     while engine.has_unfinished_requests():

@@ -57,7 +57,7 @@ def test_batched_greedy_equals_each_prompt_alone(make_llm, prompts, alone_output
 def test_max_num_seqs_bounds_the_running_batch(make_llm, prompts, alone_outputs):
     llm = make_llm(max_num_seqs=3)
     engine = llm.engine
-    ids = [engine.add_request({"prompt_token_ids": p}, testing.greedy(MAX_TOKENS)) for p in prompts[:8]]
+    ids = [engine.add_request(str(i), {"prompt_token_ids": p}, testing.greedy(MAX_TOKENS)) for i, p in enumerate(prompts[:8])]
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -71,7 +71,7 @@ def test_max_num_seqs_bounds_the_running_batch(make_llm, prompts, alone_outputs)
 def test_aborting_midway_frees_blocks_and_leaves_others_unchanged(make_llm, prompts, alone_outputs, async_scheduling):
     llm = make_llm(max_num_batched_tokens=32, num_kv_blocks=12, async_scheduling=async_scheduling)
     engine = llm.engine
-    ids = [engine.add_request({"prompt_token_ids": p}, testing.greedy(MAX_TOKENS)) for p in prompts]
+    ids = [engine.add_request(str(i), {"prompt_token_ids": p}, testing.greedy(MAX_TOKENS)) for i, p in enumerate(prompts)]
     aborted = set(ids[::3])
     finished = {}
     for _ in range(6):
@@ -94,8 +94,8 @@ def test_aborting_midway_frees_blocks_and_leaves_others_unchanged(make_llm, prom
 def test_blocks_are_freed_the_moment_a_request_finishes(make_llm):
     llm = make_llm(num_kv_blocks=16)
     engine = llm.engine
-    short = engine.add_request({"prompt_token_ids": [3] * 20}, testing.greedy(1))
-    engine.add_request({"prompt_token_ids": [4] * 20}, testing.greedy(5))
+    short = engine.add_request("short", {"prompt_token_ids": [3] * 20}, testing.greedy(1))
+    engine.add_request("long", {"prompt_token_ids": [4] * 20}, testing.greedy(5))
     outputs = {o.request_id: o for o in engine.step()}
     assert outputs[short].finished
     # The finished request's 2 blocks are back; the other still holds its 2.

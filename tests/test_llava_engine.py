@@ -88,7 +88,7 @@ def test_images_needed_in_one_step_are_encoded_in_one_call(monkeypatch, checkpoi
 def test_encoder_cache_is_freed_on_abort(checkpoint):
     llm = make_llm(checkpoint)
     engine = llm.engine
-    request_id = engine.add_request(image_request(IMAGES[0]), testing.greedy(8))
+    request_id = engine.add_request("a", image_request(IMAGES[0]), testing.greedy(8))
     engine.step()
     cache = engine.worker.model.encoder_cache
     assert len(cache) == 1
@@ -100,8 +100,8 @@ def test_encoder_cache_is_freed_on_abort(checkpoint):
 def test_shared_image_stays_cached_until_its_last_user_finishes(checkpoint):
     llm = make_llm(checkpoint)
     engine = llm.engine
-    first = engine.add_request(image_request(IMAGES[0]), testing.greedy(8))
-    second = engine.add_request(image_request(IMAGES[0], "USER: <image> describe the picture"), testing.greedy(8))
+    first = engine.add_request("first", image_request(IMAGES[0]), testing.greedy(8))
+    second = engine.add_request("second", image_request(IMAGES[0], "USER: <image> describe the picture"), testing.greedy(8))
     engine.step()
     cache = engine.worker.model.encoder_cache
     engine.abort_request(first)

@@ -7,7 +7,7 @@ PROMPT = "Paris is the capital of"
 
 def _run(llm, output_kind):
     engine = llm.engine
-    engine.add_request(PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, output_kind=output_kind))
+    engine.add_request("0", PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, output_kind=output_kind))
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()

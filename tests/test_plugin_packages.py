@@ -172,7 +172,7 @@ def test_logit_bias_changes_nothing_unless_selected_and_asked(gpt2_dir, referenc
 def engine_plugins_and_tokens(config: EngineConfig) -> tuple[list[str], list[int]]:
     """Build an engine from ``config`` alone (as a worker process does) and run one greedy request."""
     engine = LLMEngine(config)
-    engine.add_request(PROMPT, SamplingParams(max_tokens=8, temperature=0.0, extra_args={"banned_token_ids": [7]}))
+    engine.add_request("0", PROMPT, SamplingParams(max_tokens=8, temperature=0.0, extra_args={"banned_token_ids": [7]}))
     while engine.has_unfinished_requests():
         outputs = engine.step()
     return engine.active_plugins, outputs[0].outputs[0].token_ids

@@ -151,7 +151,7 @@ def test_sample_hook_breaking_its_contract_fails_the_first_step_naming_the_plugi
 ):
     make_plugin("bad-sampler", sampler_plugin(body))
     engine = LLMEngine(EngineConfig(str(tiny_llama_dir), plugins=["bad-sampler"], device="cpu", num_kv_blocks=32))
-    engine.add_request(PROMPT, testing.greedy(4))
+    engine.add_request("0", PROMPT, testing.greedy(4))
     message = rf"plugin 'bad-sampler': the sample hook must return a 1-D torch.long tensor .*got .*{got}"
     with pytest.raises(SamplerContractError, match=message) as error:
         engine.step()

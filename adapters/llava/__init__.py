@@ -5,6 +5,7 @@
   plugin registered ``text_config``'s architecture, and load any HF key layout.
 - ``preprocess_request``: expand each ``<image>`` into the image's token rows, record the image.
 - ``prepare_inputs``: encode the images a step needs (once each), scatter them into the embeddings.
+- ``render_content_part``: a chat image part becomes the ``<image>`` placeholder.
 - ``request_finished``: drop cached image embeddings no live request uses any more.
 
 The model, open_clip and the image code are imported only when a LLaVA checkpoint is served.
@@ -12,18 +13,17 @@ The model, open_clip and the image code are imported only when a LLaVA checkpoin
 
 from __future__ import annotations
 
-import weakref
 from functools import lru_cache
 
 import torch
 
 from hookllm import hookimpl
+from hookllm.chat import RenderedContent
 
 ARCHITECTURE = "LlavaForConditionalGeneration"
-
-# The LLaVA models loaded in this process: request_finished gets no model, so it releases the
-# request from each of their encoder caches (a cache holds only its own engine's requests).
-_models: "weakref.WeakSet" = weakref.WeakSet()
+# LLaVA-1.5's prompt placeholder: one per image, expanded into the image's token rows.
+IMAGE_PLACEHOLDER = "<image>"
+IMAGE_PART_KEYS = {"image_url": "image_url", "image": "image", "image_pil": "image_pil"}
 
 
 @hookimpl
@@ -44,8 +44,22 @@ def load_model(model_config, device, dtype, registry):
     with building_on(device, dtype):
         model = model_cls(hf_config, text_model_cls)
     model.load_weights(iterate_weights(model_config.path))
-    _models.add(model)
     return model.eval()
+
+
+@hookimpl
+def render_content_part(part, model_config):
+    """An image part (``image_url`` with a URL or data URL, ``image`` / ``image_pil`` with a PIL
+    image or a path) becomes the placeholder and joins ``multi_modal_data["image"]``."""
+    key = IMAGE_PART_KEYS.get(part.get("type"))
+    if key is None or model_config.architecture != ARCHITECTURE:
+        return None
+    image = part.get(key)
+    if isinstance(image, dict):  # {"url": ...}, as OpenAI's image_url parts carry it
+        image = image.get("url")
+    if image is None:
+        raise ValueError(f"a {part['type']!r} content part carries no image")
+    return RenderedContent(IMAGE_PLACEHOLDER, {"image": [image]})
 
 
 @lru_cache(maxsize=8)
@@ -102,7 +116,8 @@ def prepare_inputs(batch, inputs, model):
 
 
 @hookimpl
-def request_finished(request):
-    if request.mm_items:
-        for model in list(_models):
-            model.encoder_cache.release(request)
+def request_finished(request, model):
+    from hookllm.adapters.llava.model import LlavaForConditionalGeneration
+
+    if request.mm_items and isinstance(model, LlavaForConditionalGeneration):
+        model.encoder_cache.release(request)

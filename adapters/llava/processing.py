@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from hookllm.adapters.llava import IMAGE_PLACEHOLDER
 from hookllm.request import MultiModalItem, Request
 
-IMAGE_PLACEHOLDER = "<image>"
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
