@@ -31,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from hookllm.kernels import triton_attention as ta
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import HBM_BYTES_PER_S as PEAK_BYTES_PER_S, commit, device_name, now, write_result  # noqa: E402
+from common import HBM_BYTES_PER_S as PEAK_BYTES_PER_S, commit, device_name, now, add_out_argument, write_result  # noqa: E402
 
 MODELS = {  # name: (num_heads, num_kv_heads, head_dim)
     "Llama-3.2-1B": (32, 8, 64),
@@ -233,6 +233,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", action="store_true", help="also time candidate configs and split counts")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
+    add_out_argument(parser)
     args = parser.parse_args()
     torch.manual_seed(0)
     batches, contexts = ([1, 64], [2048]) if args.quick else ([1, 16, 64, 256], [512, 2048, 8192])
@@ -264,7 +265,7 @@ def main() -> None:
                 print("prefill", prefill[-1], flush=True)
     result.update(decode=decode, prefill=prefill)
 
-    write_result("attention", result)
+    write_result("attention", result, args.out)
     print(f"\n{result['device']}  {result['date']}  commit {result['commit']}\n")
     print(tables(decode, prefill))
 

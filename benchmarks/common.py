@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-HBM_BYTES_PER_S = 4.3e12  # H200 HBM3e, as DESIGN.md counts it
+HBM_BYTES_PER_S = 4.3e12  # H200 HBM3e bandwidth: the physical limit's denominator (benchmarks/README.md)
 
 SHAPES = {
     "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
@@ -59,9 +59,14 @@ def random_checkpoint(shape: str, root: Path) -> Path:
     return path
 
 
-def write_result(name: str, payload: dict) -> Path:
-    """benchmarks/results/<name>-<date>.json, or $OUT/<name>.json on the device machine."""
-    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
+def add_out_argument(parser) -> None:
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"), metavar="DIR",
+                        help="folder for the JSON result (default: benchmarks/results)")
+
+
+def write_result(name: str, payload: dict, out_dir: str) -> Path:
+    """``out_dir``/<name>.json."""
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))

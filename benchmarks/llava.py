@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import commit, device_name, now, print_engine_table, write_result  # noqa: E402
+from common import commit, device_name, now, print_engine_table, add_out_argument, write_result  # noqa: E402
 
 IMAGE_SIZE = 336
 IMAGE_TOKEN_ID = 32000
@@ -143,6 +143,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--skip-transformers", action="store_true")
+    add_out_argument(parser)
     args = parser.parse_args()
 
     path = llava_checkpoint(Path(args.root))
@@ -160,7 +161,7 @@ def main() -> None:
                "workload": f"{args.num_requests} requests, one {IMAGE_SIZE}x{IMAGE_SIZE} image + "
                            f"{len(PROMPT_IDS) - 1} text tokens each, {args.output_tokens} greedy output tokens, "
                            "ignore_eos", "results": results}
-    write_result("llava", payload)
+    write_result("llava", payload, args.out)
     print(f"\n{payload['model']} on {payload['device']} ({payload['commit']})")
     print_engine_table(results, [("out tok/s", "output_tok_s", ".0f"), ("images/s", "images_s", ".2f"),
                                  ("wall s", "wall_s", ".1f")])

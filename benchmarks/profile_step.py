@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, commit, device_name, now, random_checkpoint, write_result  # noqa: E402
+from common import SHAPES, commit, device_name, now, random_checkpoint, add_out_argument, write_result  # noqa: E402
 from throughput import workload_a  # noqa: E402
 
 from hookllm.model_runner import StepOutput  # noqa: E402
@@ -30,7 +30,7 @@ PARTS = {
     "schedule": ("scheduler", "schedule"),
     "forward (build inputs + launch or replay)": ("worker.runner", "forward"),
     "build_inputs": ("worker.runner", "build_inputs"),
-    "sample hook (launch)": ("hooks", "call_first"),
+    "sample hook (launch)": ("hooks.hook", "sample"),
     "process outputs": ("", "_process"),
     "wait for tokens": (StepOutput, "resolve"),
 }
@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--sync", action="store_true", help="async_scheduling=False")
+    add_out_argument(parser)
     args = parser.parse_args()
 
     from hookllm import LLM, SamplingParams
@@ -106,7 +107,7 @@ def main() -> None:
     payload = {"device": device_name(), "date": now(), "commit": commit(), "model": args.shape, "per_step": rows,
                "top_kernels_us_per_step": {e.key[:80]: e.self_device_time_total / args.steps for e in top}}
     mode = "sync" if args.sync else "async"
-    write_result(f"profile-{args.shape}-{mode}", payload)
+    write_result(f"profile-{args.shape}-{mode}", payload, args.out)
     print(f"\n{args.shape}, {batch} running requests, {args.steps} decode steps, {mode} ({payload['commit']})")
     for key, value in rows.items():
         print(f"  {key:<52}{value:>10.2f}")

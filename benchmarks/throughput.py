@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (HBM_BYTES_PER_S, SHAPES, commit, device_name, now, print_engine_table,  # noqa: E402
-                    random_checkpoint, write_result)
+                    add_out_argument, random_checkpoint, write_result)
 
 
 def workload_a(num_requests: int = 256) -> tuple[list[list[int]], list[int]]:
@@ -183,6 +183,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--latency-rate", type=float, default=0.0, help="workload B arrival rate (0: skip)")
     parser.add_argument("--latency-requests", type=int, default=128)
+    add_out_argument(parser)
     args = parser.parse_args()
 
     path = random_checkpoint(args.shape, Path(args.root))
@@ -198,7 +199,7 @@ def main() -> None:
                "physical_limit_output_tok_s": limit["output_tok_s"], "physical_limit_inputs": limit}
 
     def save() -> None:  # after every engine, so a run cut short keeps what it measured
-        write_result(f"throughput-{args.shape}", payload)
+        write_result(f"throughput-{args.shape}", payload, args.out)
 
     results["hookllm"], llm = run_hookllm(path, prompts, max_tokens, False, args)
     save()

@@ -1,8 +1,4 @@
-"""The paged KV cache's bookkeeping: which fixed-size blocks each request owns.
-
-Blocks carry a reference count and a content hash slot, so prefix caching can later share a
-full block between requests by hashing (parent hash, token ids, ``request.mm_hashes_in``).
-"""
+"""The paged KV cache's bookkeeping: which fixed-size blocks each request owns."""
 
 from __future__ import annotations
 
@@ -14,12 +10,11 @@ from hookllm.request import Request
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash")
+    __slots__ = ("block_id", "ref_count")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.block_hash: int | None = None  # set once the block is full, for prefix caching
 
 
 class BlockManager:
@@ -89,7 +84,6 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                block.block_hash = None
                 self.free_block_ids.append(block_id)
         request.block_ids = []
         if request.block_table_row is not None:

@@ -2,71 +2,67 @@
 
 from __future__ import annotations
 
-import itertools
-import json
 from collections import deque
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Iterable
 
-import torch
-
 from hookllm.block_manager import BlockManager
-from hookllm.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, text_config_of
+from hookllm.config import EngineConfig, ModelConfig, resolve_device, text_config_of
 from hookllm.model_runner import StepOutput
-from hookllm.outputs import CompletionOutput, RequestOutput
+from hookllm.output_processor import OutputProcessor
+from hookllm.outputs import RequestOutput
 from hookllm.plugins.manager import PluginManager
 from hookllm.request import Request, RequestStatus
 from hookllm.sampling_params import SamplingParams
-from hookllm.scheduler import Scheduler, SchedulerOutput, SchedulerStats
-from hookllm.tokenizer import IncrementalDetokenizer, load_tokenizer
-from hookllm.worker import Worker
+from hookllm.scheduler import Scheduler, SchedulerStats
+from hookllm.scheduler_output import SchedulerOutput
+from hookllm.tokenizer import load_tokenizer
+from hookllm.worker import Worker, resolve_model
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer: Any | None) -> set[int]:
+    """EOS ids from config.json (possibly several), generation_config.json and the tokenizer."""
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    sources = [model_config.hf_config, text_config_of(model_config.hf_config)]
+    try:
+        sources.append(GenerationConfig.from_pretrained(model_config.path))
+    except OSError:
+        pass  # the checkpoint has no generation_config.json
+    if tokenizer is not None:
+        sources.append(tokenizer)
+    for source in sources:
+        eos = getattr(source, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    return ids
 
 
 class LLMEngine:
+    """Requests in, one step at a time, ``RequestOutput``s out.
+
+    A step is: the scheduler decides the batch (a plain snapshot), the worker runs it, and the
+    scheduler applies the sampled tokens; the output processor turns them into text.
+    """
+
     def __init__(self, config: EngineConfig, plugin_manager: PluginManager | None = None):
         self.config = config
         self.plugin_manager = plugin_manager or PluginManager()
-        selected = self.plugin_manager.check_selected(config.plugins)
-        device = resolve_device(config.device)
-        self.model_config = ModelConfig.from_path(
-            config.model, resolve_dtype(config.dtype, device), config.max_model_len
-        )
-        owner = self.plugin_manager.model_owner(self.model_config.architecture, selected)
-        self.model_config.plugin = owner
-        active = selected + ([owner] if owner not in selected else [])
-        self.hooks = self.plugin_manager.active_hooks(active)
+        self.model_config, self.hooks = resolve_model(config, self.plugin_manager)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.worker = Worker(config, self.model_config, self.hooks, self.plugin_manager.registry)
         self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.generator = torch.Generator(device=device).manual_seed(config.seed)
-        self.requests: dict[str, Request] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._ids = itertools.count()
-        self.eos_token_ids = self._eos_token_ids()
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   eos_token_ids(self.model_config, self.tokenizer))
+        self.output_processor = OutputProcessor(self.tokenizer)
         # Launched steps whose tokens are not read yet: at most one more than max_in_flight.
         self.in_flight: deque[tuple[SchedulerOutput, StepOutput]] = deque()
+        device = resolve_device(config.device)
         async_scheduling = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
         self.max_in_flight = 1 if async_scheduling else 0
 
     @property
     def active_plugins(self) -> list[str]:
         return self.hooks.plugin_names
-
-    def _eos_token_ids(self) -> set[int]:
-        """EOS ids from config.json (possibly several), generation_config.json and the tokenizer."""
-        ids: set[int] = set()
-        sources = [self.model_config.hf_config, text_config_of(self.model_config.hf_config)]
-        generation_config = Path(self.config.model) / "generation_config.json"
-        if generation_config.exists():
-            sources.append(SimpleNamespace(**json.loads(generation_config.read_text())))
-        for source in sources:
-            eos = getattr(source, "eos_token_id", None)
-            ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
 
     def add_request(
         self, request_id: str, prompt: str | dict[str, Any] | list[int], params: SamplingParams | None = None
@@ -83,7 +79,7 @@ class LLMEngine:
         if isinstance(prompt, SamplingParams) or not isinstance(params, (SamplingParams, type(None))):
             raise TypeError("add_request takes (request_id, prompt, params) in vLLM's order, "
                             f"got a {type(prompt).__name__} as the prompt and a {type(params).__name__} as params")
-        if request_id in self.requests:
+        if self.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         request = self._make_request(prompt, params or SamplingParams(), request_id)
         self.hooks.hook.preprocess_request(request=request, tokenizer=self.tokenizer, model_config=self.model_config)
@@ -93,16 +89,13 @@ class LLMEngine:
                 f"({', '.join(sorted(request.multi_modal_data))}); select one with --plugin"
             )
         self._check_limits(request)
-        if self.tokenizer is not None:
-            self.detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, request.sampling_params.skip_special_tokens
-            )
-        self.requests[request_id] = request
+        self.output_processor.add_request(request)
         self.scheduler.add(request)
         return request_id
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self.requests
+        """Whether ``request_id`` names an unfinished request."""
+        return request_id in self.scheduler.requests
 
     def _make_request(self, prompt: Any, params: SamplingParams, request_id: str) -> Request:
         if isinstance(prompt, str):
@@ -151,9 +144,9 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests now and free their KV blocks; unknown or finished ids are ignored."""
         for rid in [request_id] if isinstance(request_id, str) else request_id:
-            request = self.requests.get(rid)
-            if request is not None and not request.is_finished:
-                self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            self.output_processor.remove_request(rid)
+        self._release_finished_if_idle()
 
     def get_stats(self) -> SchedulerStats:
         """Running and waiting requests and KV-cache use now (for metrics)."""
@@ -169,90 +162,34 @@ class LLMEngine:
         back while the device runs this one, so host work overlaps the device's.
         """
         batch = self.scheduler.schedule()
-        if not batch.is_empty():
-            batch.generator = self.generator
-            self.in_flight.append((batch, self.worker.execute(batch)))
-            for request, n in zip(batch.requests, batch.num_scheduled_tokens):
-                request.num_computed_tokens += n
-            for request in batch.sampling_requests:
-                request.num_output_placeholders += 1
-        if len(self.in_flight) > self.max_in_flight or (batch.is_empty() and self.in_flight):
-            return self._process(*self.in_flight.popleft())
-        return []
-
-    def _process(self, batch: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
-        """Append a finished step's sampled tokens, apply stop conditions, build outputs."""
+        previous = self.in_flight[-1][1] if self.in_flight else None
+        result = self.worker.execute(batch, previous) if not batch.is_empty() or batch.finished_request_ids else None
+        if result is not None:
+            self.in_flight.append((batch, result))
         outputs = []
-        token_ids, logprobs_per_row = result.resolve()
-        for request, token_id, logprobs in zip(batch.sampling_requests, token_ids, logprobs_per_row):
-            request.num_output_placeholders -= 1
-            if request.is_finished:
-                continue  # stopped or aborted while this step ran: its extra token is dropped
-            text_before = len(request.output_text)
-            self._append_token(request, token_id, logprobs)
-            kind = request.sampling_params.output_kind
-            if kind != "final_only" or request.is_finished:
-                outputs.append(self._make_output(request, text_before if kind == "delta" else None))
-            if request.is_finished:
-                self._release(request)
+        if len(self.in_flight) > self.max_in_flight or (result is None and self.in_flight):
+            outputs = self._process(*self.in_flight.popleft())
+        self._release_finished_if_idle()
         return outputs
 
-    def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None) -> None:
-        params = request.sampling_params
-        request.append_output_token(token_id)
-        if logprobs is not None:
-            request.logprobs.append(logprobs)
-        num_out = len(request.output_token_ids)
-        stop_token = (token_id in params.stop_token_ids
-                      or (not params.ignore_eos and token_id in self.eos_token_ids))
-        if stop_token and num_out >= params.min_tokens:
-            request.stop_reason = token_id if token_id in params.stop_token_ids else None
-            self._finish(request, RequestStatus.FINISHED_STOPPED)
-            return
-        detokenizer = self.detokenizers.get(request.request_id)
-        if detokenizer is not None:
-            previous_len = len(request.output_text)
-            request.output_text += detokenizer.add(token_id)
-            if params.stop and num_out >= params.min_tokens and self._check_stop_strings(request, previous_len):
-                return
-        if len(request.all_token_ids) >= request.max_num_tokens:  # max_tokens or max_model_len
-            self._finish(request, RequestStatus.FINISHED_LENGTH)
+    def _process(self, batch: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
+        """A finished step: the scheduler takes its tokens; the output processor makes the text."""
+        token_ids, logprobs = result.resolve()
+        outputs = []
+        for request, row in self.scheduler.update_from_output(batch, token_ids):
+            stop = self.output_processor.append_token(request, logprobs[row])
+            if stop is not None:
+                self.scheduler.stop_on_string(request, stop)
+            output = self.output_processor.make_output(request)
+            if output is not None:
+                outputs.append(output)
+            if request.is_finished:
+                self.output_processor.remove_request(request.request_id)
+        return outputs
 
-    def _check_stop_strings(self, request: Request, previous_len: int) -> bool:
-        params = request.sampling_params
-        text = request.output_text
-        for stop in params.stop:
-            # Only a match that ends in the new text is new; search from just before it.
-            index = text.find(stop, max(0, previous_len - len(stop) + 1))
-            if index != -1:
-                request.output_text = text[: index + len(stop)] if params.include_stop_str_in_output else text[:index]
-                request.stop_reason = stop
-                self._finish(request, RequestStatus.FINISHED_STOPPED)
-                return True
-        return False
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        self.scheduler.finish(request, status)
-        if status is RequestStatus.FINISHED_ABORTED:
-            self._release(request)
-
-    def _release(self, request: Request) -> None:
-        """Forget a finished request and let plugins free what they keep for it."""
-        self.requests.pop(request.request_id, None)
-        self.detokenizers.pop(request.request_id, None)
-        self.hooks.hook.request_finished(request=request, model=self.worker.model)
-
-    def _make_output(self, request: Request, delta_from: int | None = None) -> RequestOutput:
-        """The request's output so far, or with ``delta_from`` only this step's token and new text."""
-        finish_reason = request.status.value if request.is_finished else None
-        if delta_from is None:
-            text, token_ids, logprobs = request.output_text, list(request.output_token_ids), request.logprobs
-        else:
-            text, token_ids, logprobs = (request.output_text[delta_from:], request.output_token_ids[-1:],
-                                         request.logprobs[-1:] if request.logprobs is not None else None)
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=token_ids, finish_reason=finish_reason, stop_reason=request.stop_reason,
-            logprobs=list(logprobs) if logprobs is not None else None,
-        )
-        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
-                             [completion], request.is_finished)
+    def _release_finished_if_idle(self) -> None:
+        """Finished requests reach the worker with the next batch; with none coming, send them now
+        (plugins free what they keep per request in ``request_finished``)."""
+        if self.scheduler.finished_request_ids and not self.in_flight and not self.scheduler.has_unfinished():
+            self.worker.execute(SchedulerOutput.empty(self.scheduler.finished_request_ids))
+            self.scheduler.finished_request_ids = []

@@ -1,9 +1,11 @@
 """Turns a SchedulerOutput into flat model inputs, runs the model, and samples.
 
-The per-step path: build inputs on the host in bulk (numpy), copy them once, let plugins adjust
-them (``prepare_inputs``), run the model under the attention metadata, compute logits only for
-rows that sample, then ``process_logits`` and ``sample``. The sampled token ids are the one
-value read back from the device each step.
+The runner keeps a :class:`hookllm.batch.RequestState` per request, rebuilt from the snapshots
+alone: a request's prompt and sampling parameters arrive once, then each step's counts and the
+output tokens it was not sent yet. The per-step path: build inputs on the host in bulk (numpy),
+copy them once, let plugins adjust them (``prepare_inputs``), run the model under the attention
+metadata, compute logits only for rows that sample, then ``process_logits`` and ``sample``. The
+sampled token ids are the one value read back from the device each step.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from hookllm.batch import Batch, RequestState
 from hookllm.cuda_graph import CudaGraphRunner
 from hookllm.forward_context import AttentionMetadata, set_forward_context
 from hookllm.plugins.manager import ActiveHooks
-from hookllm.scheduler import SchedulerOutput
+from hookllm.scheduler_output import SchedulerOutput
 
 
 @dataclass
@@ -37,13 +40,22 @@ class ModelInputs:
     max_seq_len: int
     inputs_embeds: torch.Tensor | None = None  # [num_tokens, hidden]: replaces input_ids if set
 
+    def attention_metadata(self, backend: ModuleType) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping, block_tables=self.block_tables, seq_lens=self.seq_lens,
+            query_start_loc=self.query_start_loc, max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len, backend=backend,
+        )
+
 
 class StepOutput:
     """A launched step's sampled token ids (and logprobs): copied to the host without waiting,
     read by ``resolve``, which waits for the device only if the step is still running."""
 
-    def __init__(self, sampled: torch.Tensor, logprobs: tuple[torch.Tensor, ...] | None = None,
-                 wanted: list[int | None] | None = None):
+    def __init__(self, sampled: torch.Tensor, request_ids: list[str],
+                 logprobs: tuple[torch.Tensor, ...] | None = None, wanted: list[int | None] | None = None):
+        self.sampled = sampled  # on the device: the next step reads in-flight tokens from here
+        self.request_ids = request_ids  # the request of each row
         self._sampled = sampled.to("cpu", non_blocking=True)
         # (chosen token's logprob, top-n values, top-n ids) and each row's n.
         self._logprobs = tuple(t.to("cpu", non_blocking=True) for t in logprobs) if logprobs else None
@@ -53,11 +65,18 @@ class StepOutput:
             self._done = torch.cuda.Event()
             self._done.record()
 
-    def resolve(self) -> tuple[list[int], list[dict[int, float] | None]]:
-        """One token id per ``batch.sampling_requests`` and its logprobs entry (None if not asked)."""
+    def token_ids(self) -> list[int]:
+        """The sampled token ids, waiting for this step only if it is still running."""
         if self._done is not None:
             self._done.synchronize()
-        token_ids = self._sampled.tolist()
+        return self._sampled.tolist()
+
+    def token_ids_by_request(self) -> dict[str, int]:
+        return dict(zip(self.request_ids, self.token_ids()))
+
+    def resolve(self) -> tuple[list[int], list[dict[int, float] | None]]:
+        """One token id per sampling row and its logprobs entry (None if not asked)."""
+        token_ids = self.token_ids()
         if self._logprobs is None:
             return token_ids, [None] * len(token_ids)
         chosen, top_values, top_ids = (t.tolist() for t in self._logprobs)
@@ -76,28 +95,47 @@ class SamplerContractError(RuntimeError):
     pass
 
 
-def _plugins_phrase(plugins: list[str]) -> str:
-    """Who broke a firstresult hook's contract: the one overriding plugin, or the candidates."""
-    if len(plugins) == 1:
-        return f"plugin {plugins[0]!r}"
-    return "one of the plugins " + ", ".join(repr(p) for p in plugins)
-
-
 class ModelRunner:
     def __init__(self, model: nn.Module, hooks: ActiveHooks, device: torch.device, block_size: int,
-                 attention_backend: ModuleType):
+                 attention_backend: ModuleType, seed: int):
         self.model = model
         self.hooks = hooks
         self.device = device
         self.block_size = block_size
         self.attention_backend = attention_backend
         self.cuda_graphs: CudaGraphRunner | None = None  # set by the worker unless enforce_eager
-        self.last_sampled = torch.empty(0, dtype=torch.long, device=device)
-        self.last_sampled_rows: dict[str, int] = {}
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.requests: dict[str, RequestState] = {}
 
-    def build_inputs(self, batch: SchedulerOutput) -> ModelInputs:
+    def update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Drop finished requests, add new ones, and apply the step's counts and new tokens."""
+        for request_id in scheduler_output.finished_request_ids:
+            state = self.requests.pop(request_id, None)
+            if state is not None:
+                self.hooks.hook.request_finished(request=state, model=self.model)
+        for new in scheduler_output.new_requests:
+            seed = new.sampling_params.seed
+            # Seeded draws happen on the CPU, so a seed gives the same tokens on every device.
+            generator = torch.Generator().manual_seed(seed) if seed is not None else None
+            self.requests[new.request_id] = RequestState(
+                new.request_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.sampling_params,
+                list(new.mm_items), generator=generator)
+        for request_id, computed, new_tokens in zip(scheduler_output.request_ids, scheduler_output.num_computed_tokens,
+                                                    scheduler_output.new_token_ids):
+            state = self.requests[request_id]
+            state.num_computed_tokens = computed
+            state.all_token_ids += new_tokens
+
+    def make_batch(self, scheduler_output: SchedulerOutput, previous: StepOutput | None) -> Batch:
+        requests = [self.requests[request_id] for request_id in scheduler_output.request_ids]
+        return Batch(requests, scheduler_output.num_scheduled_tokens,
+                     [requests[row] for row in scheduler_output.sampling_rows], self.generator, previous)
+
+    def build_inputs(self, batch: Batch, scheduler_output: SchedulerOutput) -> ModelInputs:
         requests, counts_list = batch.requests, batch.num_scheduled_tokens
         starts_list = [r.num_computed_tokens for r in requests]
+        previous_rows = ({request_id: row for row, request_id in enumerate(batch.previous.request_ids)}
+                         if batch.previous is not None else {})
         token_ids: list[int] = []
         # Rows whose token was sampled by the step still on the device: copied there from its output.
         pending_rows: list[int] = []
@@ -107,7 +145,7 @@ class ModelRunner:
             token_ids += known
             if len(known) < count:
                 pending_rows.append(len(token_ids))
-                pending_sources.append(self.last_sampled_rows[request.request_id])
+                pending_sources.append(previous_rows[request.request_id])
                 token_ids.append(0)
         counts = np.asarray(counts_list, dtype=np.int64)
         starts = np.asarray(starts_list, dtype=np.int64)
@@ -117,12 +155,11 @@ class ModelRunner:
         seq_lens = starts + counts
         # positions: for each request, start .. start + count - 1, laid out flat.
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start[:-1] - starts, counts)
-        block_tables = batch.block_tables
+        block_tables = scheduler_output.block_tables
         max_blocks = block_tables.shape[1]
         token_rows = np.repeat(np.arange(num_seqs), counts)
         slot_mapping = block_tables[token_rows, positions // self.block_size] * self.block_size + positions % self.block_size
-        logits_rows = np.flatnonzero(seq_lens == np.asarray([r.num_tokens for r in requests]))
-        logits_indices = query_start[1:][logits_rows] - 1
+        logits_indices = query_start[1:][np.asarray(scheduler_output.sampling_rows, dtype=np.int64)] - 1
         # One host->device copy for the whole step (pinned, asynchronous on CUDA).
         parts = [np.asarray(token_ids, dtype=np.int64), positions, slot_mapping, logits_indices,
                  seq_lens, query_start, block_tables.ravel(), np.asarray(pending_rows + pending_sources, dtype=np.int64)]
@@ -133,7 +170,7 @@ class ModelRunner:
         input_ids, positions_t, slots_t, logits_t, seq_lens_t, query_start_t, tables_t, pending = flat.split(
             [len(part) for part in parts])
         if pending_rows:
-            input_ids[pending[:len(pending_rows)]] = self.last_sampled[pending[len(pending_rows):]]
+            input_ids[pending[:len(pending_rows)]] = batch.previous.sampled[pending[len(pending_rows):]]
         return ModelInputs(
             input_ids=input_ids,
             positions=positions_t,
@@ -148,9 +185,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, batch: SchedulerOutput) -> tuple[torch.Tensor, ModelInputs]:
+    def forward(self, batch: Batch, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, ModelInputs]:
         """Build the inputs, let plugins adjust them, run the model: hidden states of every row."""
-        inputs = self.build_inputs(batch)
+        inputs = self.build_inputs(batch, scheduler_output)
         self.hooks.hook.prepare_inputs(batch=batch, inputs=inputs, model=self.model)
         graphs = self.cuda_graphs
         if (graphs is not None and inputs.inputs_embeds is None
@@ -158,49 +195,50 @@ class ModelRunner:
             hidden_states = graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping,
                                        inputs.block_tables, inputs.seq_lens)
             return hidden_states, inputs
-        metadata = AttentionMetadata(
-            slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables, seq_lens=inputs.seq_lens,
-            query_start_loc=inputs.query_start_loc, max_query_len=inputs.max_query_len,
-            max_seq_len=inputs.max_seq_len, backend=self.attention_backend,
-        )
-        with set_forward_context(metadata):
+        with set_forward_context(inputs.attention_metadata(self.attention_backend)):
             hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.inputs_embeds)
         return hidden_states, inputs
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> StepOutput:
-        hidden_states, inputs = self.forward(batch)
+    def execute(self, scheduler_output: SchedulerOutput, previous: StepOutput | None = None) -> StepOutput | None:
+        """Run one step: None when it samples nothing (no forward at all when nothing is scheduled).
+
+        ``previous`` is the step still on the device (async scheduling): requests whose next
+        input token it sampled read that token from its output, on the device.
+        """
+        self.update_states(scheduler_output)
+        if scheduler_output.is_empty():
+            return None
+        batch = self.make_batch(scheduler_output, previous)
+        hidden_states, inputs = self.forward(batch, scheduler_output)
         if not batch.sampling_requests:
-            return StepOutput(torch.empty(0, dtype=torch.long))
+            return None
         # In a decode-only step every row samples: no gather needed.
         if len(batch.sampling_requests) < hidden_states.shape[0]:
             hidden_states = hidden_states[inputs.logits_indices]
         logits = self.model.compute_logits(hidden_states).float()
         self.hooks.hook.process_logits(logits=logits, batch=batch)
         sampled = self.hooks.hook.sample(logits=logits, batch=batch)
-        self._check_sampled(sampled, self.hooks.overriding_plugins("sample"), logits.shape[0])
-        # The next step reads these rows on the device for requests whose token is not known yet.
-        self.last_sampled = sampled
-        self.last_sampled_rows = {r.request_id: row for row, r in enumerate(batch.sampling_requests)}
+        self._check_sampled(sampled, logits.shape[0])
         return self._step_output(logits, batch, sampled)
 
-    @staticmethod
-    def _check_sampled(sampled: object, plugins: list[str], num_rows: int) -> None:
+    def _check_sampled(self, sampled: object, num_rows: int) -> None:
         if not isinstance(sampled, torch.Tensor) or sampled.dtype != torch.long or sampled.shape != (num_rows,):
             got = (f"tensor of dtype {sampled.dtype} and shape {tuple(sampled.shape)}"
                    if isinstance(sampled, torch.Tensor) else type(sampled).__name__)
             raise SamplerContractError(
-                f"{_plugins_phrase(plugins)}: the sample hook must return a 1-D torch.long tensor of "
+                f"{self.hooks.overriding_plugins('sample')}: the sample hook must return a 1-D torch.long tensor of "
                 f"{num_rows} token ids (one per logits row), got {got}"
             )
 
     @staticmethod
-    def _step_output(logits: torch.Tensor, batch: SchedulerOutput, sampled: torch.Tensor) -> StepOutput:
+    def _step_output(logits: torch.Tensor, batch: Batch, sampled: torch.Tensor) -> StepOutput:
         """The sampled tokens plus, where asked, their logprobs and the top-n from the processed logits."""
+        request_ids = [r.request_id for r in batch.sampling_requests]
         wanted = [r.sampling_params.logprobs for r in batch.sampling_requests]
         if all(n is None for n in wanted):
-            return StepOutput(sampled)
+            return StepOutput(sampled, request_ids)
         logprobs = logits.log_softmax(dim=-1)
         top_values, top_ids = logprobs.topk(max(n for n in wanted if n is not None), dim=-1)
         chosen = logprobs.gather(1, sampled[:, None]).squeeze(1)
-        return StepOutput(sampled, (chosen, top_values, top_ids), wanted)
+        return StepOutput(sampled, request_ids, (chosen, top_values, top_ids), wanted)

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from hookllm.kernels import ops_for
-from hookllm.request import Request
+from hookllm.batch import RequestState
 
 
 def apply_top_k_top_p_min_p(
@@ -38,7 +38,7 @@ def apply_top_k_top_p_min_p(
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
-def sample(logits: torch.Tensor, requests: Sequence[Request], generator: torch.Generator | None) -> torch.Tensor:
+def sample(logits: torch.Tensor, requests: Sequence[RequestState], generator: torch.Generator | None) -> torch.Tensor:
     """One token id per row of ``logits`` for the matching request in ``requests``."""
     # One host table and one copy for the whole batch: temperature, top_k, top_p, min_p.
     params = torch.tensor(

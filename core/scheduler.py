@@ -4,43 +4,21 @@ vLLM v1 style: no separate prefill and decode phases. Running requests go first 
 one token; an unfinished prefill continues its next chunk), then waiting requests are admitted
 in arrival order, all under one token budget. When blocks run out, the newest running request
 is preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
+
+The scheduler owns every change to a request's state: ``schedule`` advances what a step
+computes (with async scheduling the step's sampled token is a placeholder until read back),
+``update_from_output`` applies the sampled tokens and the stop rules that need no text, and
+``finish_request`` ends a request. A step's batch leaves as a plain :class:`SchedulerOutput`.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-
-import numpy as np
-import torch
+from dataclasses import dataclass
 
 from hookllm.block_manager import BlockManager
 from hookllm.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's batch: the hooks receive it as ``batch``."""
-
-    requests: list[Request]  # in flat row order
-    num_scheduled_tokens: list[int]
-    block_tables: np.ndarray  # [num_seqs, max_blocks] int32, from BlockManager.block_tables
-    preempted: list[Request] = field(default_factory=list)
-    generator: torch.Generator | None = None  # the engine's RNG for unseeded sampling
-
-    def __post_init__(self) -> None:
-        # Requests whose chunk reaches their last token sample this step: one logits row each.
-        self.sampling_requests: list[Request] = [
-            r for r, n in zip(self.requests, self.num_scheduled_tokens)
-            if r.num_computed_tokens + n == r.num_tokens
-        ]
-
-    @property
-    def total_num_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
-    def is_empty(self) -> bool:
-        return not self.requests
+from hookllm.scheduler_output import NewRequestData, SchedulerOutput
 
 
 @dataclass
@@ -57,23 +35,29 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_token_ids: set[int] | frozenset[int] = frozenset()):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = set(eos_token_ids)
+        self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Finished since the last batch: the runner drops their state when the next batch arrives.
+        self.finished_request_ids: list[str] = []
 
     def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
 
     def stats(self) -> SchedulerStats:
         manager = self.block_manager
         return SchedulerStats(len(self.running), len(self.waiting),
                               manager.num_blocks - manager.num_free_blocks, manager.num_blocks)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -112,7 +96,36 @@ class Scheduler:
             scheduled.append(request)
             counts.append(num_new)
             budget -= num_new
-        return SchedulerOutput(scheduled, counts, self.block_manager.block_tables(scheduled), preempted)
+        return self._snapshot(scheduled, counts, preempted)
+
+    def _snapshot(self, scheduled: list[Request], counts: list[int], preempted: list[Request]) -> SchedulerOutput:
+        """The step as data, then the state it leaves: computed tokens advance now, and each
+        request whose chunk reaches its last token gets a placeholder for the token it samples."""
+        new_requests, new_token_ids, sampling_rows = [], [], []
+        computed = [r.num_computed_tokens for r in scheduled]
+        for row, (request, count) in enumerate(zip(scheduled, counts)):
+            if request.num_synced_tokens == 0:
+                new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
+                                                   request.sampling_params, request.mm_items))
+                request.num_synced_tokens = request.num_prompt_tokens
+            new_token_ids.append(request.all_token_ids[request.num_synced_tokens:])
+            request.num_synced_tokens = len(request.all_token_ids)
+            request.num_computed_tokens += count
+            if request.num_computed_tokens == request.num_tokens:
+                sampling_rows.append(row)
+                request.num_output_placeholders += 1
+        finished, self.finished_request_ids = self.finished_request_ids, []
+        return SchedulerOutput(
+            new_requests=new_requests,
+            request_ids=[r.request_id for r in scheduled],
+            num_scheduled_tokens=counts,
+            num_computed_tokens=computed,
+            new_token_ids=new_token_ids,
+            sampling_rows=sampling_rows,
+            block_tables=self.block_manager.block_tables(scheduled),
+            finished_request_ids=finished,
+            preempted_request_ids=[r.request_id for r in preempted],
+        )
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
@@ -120,11 +133,48 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """End a request (stopped, length or aborted) and free its blocks at once."""
-        if request in self.running:
+    def update_from_output(self, batch: SchedulerOutput, token_ids: list[int]) -> list[tuple[Request, int]]:
+        """Apply a step's sampled tokens (one per ``batch.sampling_rows``, in order): append each,
+        then stop on a stop token or EOS (after ``min_tokens``) or at the length limit.
+
+        Returns ``(request, row)`` for each request that took its token; a request finished
+        while the step ran (stopped, aborted) drops it.
+        """
+        updated = []
+        for row, request_id in enumerate(batch.sampling_request_ids):
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # finished while this step ran
+            request.num_output_placeholders -= 1
+            token_id = token_ids[row]
+            request.append_output_token(token_id)
+            updated.append((request, row))
+            params = request.sampling_params
+            stop_token = token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids)
+            if stop_token and len(request.output_token_ids) >= params.min_tokens:
+                request.stop_reason = token_id if token_id in params.stop_token_ids else None
+                self.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+            elif len(request.all_token_ids) >= request.max_num_tokens:  # max_tokens or max_model_len
+                self.finish_request(request_id, RequestStatus.FINISHED_LENGTH)
+        return updated
+
+    def stop_on_string(self, request: Request, stop: str) -> None:
+        """The request's text reached a stop string (found by the output processor): it stops,
+        also when its last token had just reached the length limit."""
+        self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = stop
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """End a request (stopped, length or aborted) and free its blocks at once; unknown ids pass."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request in self.waiting:
+        else:
             self.waiting.remove(request)
         request.status = status
         self.block_manager.free(request)
+        if request.num_synced_tokens:
+            self.finished_request_ids.append(request_id)

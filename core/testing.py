@@ -24,7 +24,7 @@ import torch
 from hookllm.llm import LLM
 from hookllm.request import Request
 from hookllm.sampling_params import SamplingParams
-from hookllm.scheduler import SchedulerOutput
+from hookllm.scheduler_output import NewRequestData, SchedulerOutput
 
 LOGITS_ATOL = 1e-4
 
@@ -80,20 +80,32 @@ def prompt_logits(llm: LLM, prompt_token_ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
             return engine.worker.model.compute_logits(hidden_states).float().cpu()
     finally:
-        engine.block_manager.free(request)
+        release_chunked(engine, request)
 
 
 def forward_chunk(engine: Any, request: Request, count: int) -> torch.Tensor:
     """Run ``request``'s next ``count`` tokens alone through the model runner: their hidden states.
 
-    Allocates the KV blocks they need (the caller frees them); ``num_computed_tokens`` is left
-    for the caller to advance.
+    Allocates the KV blocks they need and advances ``num_computed_tokens``; the caller ends
+    with :func:`release_chunked`.
     """
     if not engine.block_manager.allocate_slots(request, count):
         raise RuntimeError("not enough free KV blocks for the chunk")
-    batch = SchedulerOutput([request], [count], engine.block_manager.block_tables([request]))
-    hidden_states, _ = engine.worker.runner.forward(batch)
+    runner = engine.worker.runner
+    new = ([] if request.request_id in runner.requests else
+           [NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params, request.mm_items)])
+    step = SchedulerOutput(new, [request.request_id], [count], [request.num_computed_tokens], [[]], [],
+                           engine.block_manager.block_tables([request]))
+    runner.update_states(step)
+    hidden_states, _ = runner.forward(runner.make_batch(step, None), step)
+    request.num_computed_tokens += count
     return hidden_states
+
+
+def release_chunked(engine: Any, request: Request) -> None:
+    """Free what :func:`forward_chunk` runs left: the request's blocks and its runner state."""
+    engine.block_manager.free(request)
+    engine.worker.execute(SchedulerOutput.empty([request.request_id]))
 
 
 def reference_greedy(model: Any, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -173,7 +185,7 @@ def build_tiny_tokenizer(path: str | Path, vocab_size: int = 320, special_tokens
     """Train a byte-level BPE tokenizer offline and ``save_pretrained`` it into ``path``.
 
     Its ids stay below ``vocab_size``; ``<s>`` (id 0) is BOS and ``</s>`` (id 1) EOS, and
-    ``special_tokens`` (e.g. ``"<image>"``) are added after them.
+    ``special_tokens`` (e.g. a multimodal placeholder) are added after them.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -1,7 +1,8 @@
 """The worker: one device, the model on it, its paged KV cache and the model runner.
 
-Everything it needs comes from the ``EngineConfig`` (plugins by name included), so a worker
-can be rebuilt from that config in another process.
+Everything it needs comes from the ``EngineConfig`` (plugins by name included), and each step
+from a plain ``SchedulerOutput``, so a worker can be rebuilt in another process
+(``Worker.from_config``) and driven by pickled snapshots alone.
 """
 
 from __future__ import annotations
@@ -9,18 +10,37 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hookllm.config import EngineConfig, ModelConfig, resolve_device, text_config_of
+from hookllm.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, text_config_of
 from hookllm.cuda_graph import CudaGraphRunner
 from hookllm.forward_context import AttentionMetadata, set_forward_context
 from hookllm.kernels import get_attention_backend, resolve_attention_backend
 from hookllm.layers.attention import Attention
-from hookllm.model_runner import ModelRunner, StepOutput, _plugins_phrase
-from hookllm.plugins.manager import ActiveHooks
+from hookllm.model_runner import ModelRunner, StepOutput
+from hookllm.plugins.manager import ActiveHooks, PluginManager
 from hookllm.registry import ModelRegistry
-from hookllm.scheduler import SchedulerOutput
+from hookllm.scheduler_output import SchedulerOutput
+
+
+def resolve_model(config: EngineConfig, plugin_manager: PluginManager) -> tuple[ModelConfig, ActiveHooks]:
+    """The checkpoint's config and the active hooks: the selected plugins, the plugin that
+    serves the checkpoint's architecture, and the core defaults."""
+    selected = plugin_manager.check_selected(config.plugins)
+    device = resolve_device(config.device)
+    model_config = ModelConfig.from_path(config.model, resolve_dtype(config.dtype, device), config.max_model_len)
+    owner = plugin_manager.model_owner(model_config.architecture, selected)
+    model_config.plugin = owner
+    active = selected + ([owner] if owner not in selected else [])
+    return model_config, plugin_manager.active_hooks(active)
 
 
 class Worker:
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "Worker":
+        """A worker built from the config alone (plugins found again by name), e.g. in another process."""
+        plugin_manager = PluginManager()
+        model_config, hooks = resolve_model(config, plugin_manager)
+        return cls(config, model_config, hooks, plugin_manager.registry)
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, hooks: ActiveHooks, registry: ModelRegistry):
         self.config = config
         self.model_config = model_config
@@ -33,7 +53,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         model = hooks.hook.load_model(model_config=model_config, device=self.device, dtype=self.dtype, registry=registry)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"{_plugins_phrase(hooks.overriding_plugins('load_model'))}: load_model must return "
+            raise TypeError(f"{hooks.overriding_plugins('load_model')}: load_model must return "
                             f"a torch.nn.Module, got {type(model).__name__}")
         self.model = model
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
@@ -41,7 +61,7 @@ class Worker:
             raise ValueError(f"{type(model).__name__} has no hookllm.layers.Attention layer to hold a KV cache")
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory()
         self._allocate_kv_cache(self.num_kv_blocks)
-        self.runner = ModelRunner(model, hooks, self.device, config.block_size, self.attention_backend)
+        self.runner = ModelRunner(model, hooks, self.device, config.block_size, self.attention_backend, config.seed)
         if self.device.type == "cuda" and backend == "triton" and not config.enforce_eager:
             self.runner.cuda_graphs = CudaGraphRunner(
                 model, text_config_of(model_config.hf_config).hidden_size, self.dtype, self.device,
@@ -108,5 +128,5 @@ class Worker:
             layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
 
-    def execute(self, batch: SchedulerOutput) -> StepOutput:
-        return self.runner.execute(batch)
+    def execute(self, scheduler_output: SchedulerOutput, previous: StepOutput | None = None) -> StepOutput | None:
+        return self.runner.execute(scheduler_output, previous)

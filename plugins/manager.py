@@ -155,11 +155,10 @@ class ActiveHooks:
     def plugin_names(self) -> list[str]:
         return [name for name, _ in self.pm.list_name_plugin()]
 
-    def overriding_plugins(self, hook_name: str) -> list[str]:
-        """The plugins other than the core implementing ``hook_name``, in pluggy's call order.
-
-        The core defaults keep their contracts, so a firstresult hook's result that breaks one
-        came from one of these: contract errors name them.
-        """
+    def overriding_plugins(self, hook_name: str) -> str:
+        """The plugins other than the core implementing ``hook_name``, in pluggy's call order, as
+        a phrase for an error message: the core defaults keep their contracts, so a firstresult
+        hook's result that breaks one came from one of these."""
         impls = reversed(getattr(self.hook, hook_name).get_hookimpls())
-        return [impl.plugin_name for impl in impls if impl.plugin_name != CORE_PLUGIN]
+        names = [repr(impl.plugin_name) for impl in impls if impl.plugin_name != CORE_PLUGIN]
+        return f"plugin {names[0]}" if len(names) == 1 else "one of the plugins " + ", ".join(names)

@@ -122,10 +122,8 @@ def prompt_logits_chunked(llm, prompt: str, images: list[Image.Image], chunk: in
             hidden_states = testing.forward_chunk(engine, request, count)
             with torch.inference_mode():
                 logits.append(engine.worker.model.compute_logits(hidden_states).float())
-            request.num_computed_tokens += count
     finally:
-        engine.block_manager.free(request)
-        engine.hooks.hook.request_finished(request=request, model=engine.worker.model)
+        testing.release_chunked(engine, request)
     return torch.cat(logits)
 
 

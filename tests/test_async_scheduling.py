@@ -55,5 +55,5 @@ def test_a_request_stopped_while_a_step_is_in_flight_drops_that_steps_token(make
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
     out = llm.generate(PROMPT, params)[0].outputs[0]
     assert out.token_ids == free_run[: free_run.index(stop_id) + 1]
-    assert not llm.engine.requests
+    assert not llm.engine.scheduler.requests
     testing.assert_all_blocks_free(llm)

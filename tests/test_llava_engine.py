@@ -55,7 +55,7 @@ def record_preemptions(monkeypatch, llm):
 
     def recording():
         batch = original()
-        preempted.extend(batch.preempted)
+        preempted.extend(batch.preempted_request_ids)
         return batch
 
     monkeypatch.setattr(scheduler, "schedule", recording)

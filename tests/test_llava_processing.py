@@ -146,13 +146,3 @@ def test_content_hash_is_the_same_for_a_pil_image_its_file_and_its_bytes(checkpo
               for s in sources}
     other = expand(make_request(tokenizer, "<image> a", images=[random_image(40, 30, seed=8)]), tokenizer, checkpoint)
     assert len(hashes) == 1 and other.mm_items[0].content_hash not in hashes
-
-
-def test_mm_hashes_in_names_images_overlapping_a_block(checkpoint, tokenizer):
-    images = [random_image(40, 30, seed=1), random_image(25, 50, seed=2)]
-    request = expand(make_request(tokenizer, "USER: <image> and <image>", images=images), tokenizer, checkpoint)
-    first, second = (m.content_hash for m in request.mm_items)  # rows 3..18 and 20..35
-    assert request.mm_hashes_in(0, 16) == [first]
-    assert request.mm_hashes_in(16, 32) == [first, second]
-    assert request.mm_hashes_in(36, 48) == []
-    assert torch.equal(request.mm_items[0].data, ImageProcessor.from_pretrained(checkpoint, IMAGE_SIZE)(images[0]))

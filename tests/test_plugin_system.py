@@ -168,3 +168,21 @@ def test_llm_serves_again_after_a_plugin_fails_a_request(make_plugin, make_llm, 
         llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(extra_args={"explode": True}))
     assert greedy_tokens(llm) == expected_tokens
     testing.assert_all_blocks_free(llm)
+
+
+WRAPPING_SAMPLER = """
+from hookllm import hookimpl
+
+@hookimpl(wrapper=True)
+def sample(logits, batch):
+    tokens = yield  # whatever the sampler (the core's greedy here) chose
+    return (tokens + 1) % logits.shape[-1]
+"""
+
+
+def test_a_sample_hook_wrapper_sees_and_replaces_the_sampled_tokens(make_plugin, make_llm, expected_tokens):
+    make_plugin("shift", WRAPPING_SAMPLER)
+    llm = make_llm(plugins=["shift"])
+    # Each step's greedy token shifted by one: the first differs from the reference by exactly that.
+    first = llm.generate({"prompt_token_ids": PROMPT}, testing.greedy(1))[0].outputs[0].token_ids
+    assert first == [(expected_tokens[0] + 1) % 320]

@@ -4,14 +4,14 @@ import pytest
 import torch
 
 from hookllm import SamplingParams, testing
-from hookllm.request import Request
+from hookllm.batch import RequestState
 from hookllm.sampler import apply_top_k_top_p_min_p, sample
 
 PROMPTS = [[5, 9, 13, 200, 7], [42, 43, 44], [100] * 12]
 
 
 def _requests(params_list):
-    return [Request(str(i), [1], p) for i, p in enumerate(params_list)]
+    return [RequestState(str(i), [1], 1, p) for i, p in enumerate(params_list)]
 
 
 def _draw(logits_row, params, n=400, seed=0):

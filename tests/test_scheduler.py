@@ -10,13 +10,9 @@ def _request(rid: str, prompt_len: int) -> Request:
     return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=100))
 
 
-def _advance(batch):
-    """What the engine does after a step: count computed tokens, append one sampled token."""
-    for r, n in zip(batch.requests, batch.num_scheduled_tokens):
-        r.num_computed_tokens += n
-    for r in batch.requests:
-        if r.num_computed_tokens == r.num_tokens:
-            r.append_output_token(0)
+def _advance(scheduler, batch):
+    """The step ran: each sampling request got token 0."""
+    scheduler.update_from_output(batch, [0] * len(batch.sampling_rows))
 
 
 def test_allocation_rounds_up_to_whole_blocks():
@@ -58,8 +54,8 @@ def test_token_budget_chunks_a_long_prefill():
     while r.num_computed_tokens < 120:
         batch = scheduler.schedule()
         chunks.append(batch.num_scheduled_tokens[0])
-        assert batch.sampling_requests == ([r] if r.num_computed_tokens + chunks[-1] == 120 else [])
-        _advance(batch)
+        assert batch.sampling_request_ids == (["a"] if r.num_computed_tokens == 120 else [])
+        _advance(scheduler, batch)
     assert chunks == [50, 50, 20]
 
 
@@ -67,11 +63,11 @@ def test_decodes_and_a_new_prefill_share_one_batch():
     scheduler = Scheduler(BlockManager(64, 16), max_num_seqs=8, max_num_batched_tokens=64)
     a = _request("a", 10)
     scheduler.add(a)
-    _advance(scheduler.schedule())
+    _advance(scheduler, scheduler.schedule())
     b = _request("b", 30)
     scheduler.add(b)
     batch = scheduler.schedule()
-    assert batch.requests == [a, b] and batch.num_scheduled_tokens == [1, 30]
+    assert batch.request_ids == ["a", "b"] and batch.num_scheduled_tokens == [1, 30]
 
 
 def test_running_out_of_blocks_preempts_the_newest_request():
@@ -79,9 +75,9 @@ def test_running_out_of_blocks_preempts_the_newest_request():
     old, new = _request("old", 32), _request("new", 31)
     scheduler.add(old)
     scheduler.add(new)
-    _advance(scheduler.schedule())  # 2 + 2 blocks: the cache is full
+    _advance(scheduler, scheduler.schedule())  # 2 + 2 blocks: the cache is full
     batch = scheduler.schedule()  # old needs a third block for its decode
-    assert batch.preempted == [new] and batch.requests == [old]
+    assert batch.preempted_request_ids == ["new"] and batch.request_ids == ["old"]
     assert new.status is RequestStatus.WAITING and new.num_computed_tokens == 0 and new.block_ids == []
     assert scheduler.waiting[0] is new  # requeued first, to be recomputed
 
@@ -93,7 +89,7 @@ def test_finishing_frees_blocks_immediately():
     scheduler.add(r)
     scheduler.schedule()
     assert manager.num_free_blocks == 5
-    scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+    scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED)
     assert manager.num_free_blocks == 8 and not scheduler.has_unfinished()
 
 
@@ -102,4 +98,4 @@ def test_max_num_seqs_leaves_the_rest_waiting():
     for i in range(4):
         scheduler.add(_request(str(i), 5))
     batch = scheduler.schedule()
-    assert [r.request_id for r in batch.requests] == ["0", "1"] and len(scheduler.waiting) == 2
+    assert batch.request_ids == ["0", "1"] and len(scheduler.waiting) == 2

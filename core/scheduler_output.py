@@ -1,0 +1,54 @@
+"""One step's batch as plain data: what the scheduler decided, for a model runner anywhere.
+
+vLLM v1's shape: a request's prompt, sampling parameters and multimodal inputs cross once, the
+first time it is scheduled; after that a step carries only ids, token counts, the output tokens
+the runner has not been sent yet, and block-table rows. Everything pickles, so a runner in
+another process rebuilds the step from this alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hookllm.request import MultiModalItem
+from hookllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen: sent once, the first time it is scheduled."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    mm_items: list[MultiModalItem] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData]
+    request_ids: list[str]  # the scheduled requests, in flat row order
+    num_scheduled_tokens: list[int]
+    num_computed_tokens: list[int]  # each request's computed tokens before this step
+    new_token_ids: list[list[int]]  # output tokens each request has that the runner was not sent
+    sampling_rows: list[int]  # indices into request_ids of the requests that sample this step
+    block_tables: np.ndarray  # [num scheduled, max blocks] int32
+    finished_request_ids: list[str] = field(default_factory=list)  # the runner drops their state
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, finished_request_ids: list[str] | None = None) -> "SchedulerOutput":
+        return cls([], [], [], [], [], [], np.zeros((0, 0), dtype=np.int32), finished_request_ids or [])
+
+    @property
+    def sampling_request_ids(self) -> list[str]:
+        return [self.request_ids[row] for row in self.sampling_rows]
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def is_empty(self) -> bool:
+        return not self.request_ids
