@@ -14,6 +14,7 @@ DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -102,6 +103,10 @@ class EngineConfig:
     async_scheduling: bool | None = None
     seed: int = 0
     tokenizer: str | None = None
+    # Ranks (one process and GPU each) the model's layers are split across; 1: no torch.distributed.
+    tensor_parallel_size: int = 1
+    # "auto" / "safetensors": read the checkpoint; "dummy": random weights, no file read (benchmarks).
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 16:
@@ -112,3 +117,7 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
