@@ -14,6 +14,7 @@ DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -112,6 +113,9 @@ class EngineConfig:
     async_scheduling: bool | None = _option(None, "schedule the next step while the device runs this one (default: on for CUDA)")
     seed: int = _option(0, "seed of the engine's sampling generator")
     tokenizer: str | None = _option(None, "tokenizer folder (default: the model's)")
+    tensor_parallel_size: int = _option(1, "GPUs (one worker process each) the model's layers are split across")
+    load_format: str = _option("auto", "auto or safetensors: read the checkpoint; dummy: random weights (benchmarks)",
+                               choices=["auto", "safetensors", "dummy"])
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -127,3 +131,7 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")

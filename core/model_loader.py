@@ -1,17 +1,28 @@
-"""Reading checkpoints (safetensors only) and copying them into a model's parameters."""
+"""Reading checkpoints (safetensors only) and copying them into a model's parameters.
+
+Two ways to read: `iterate_weights` yields whole tensors (any adapter);
+`iterate_weight_slices` yields lazy safetensors slices, so a tensor-parallel layer's
+``weight_loader`` reads only its rank's rows or columns. `load_checkpoint` picks between them
+and ``load_format="dummy"`` (random weights, no file read).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import zlib
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from hookllm.layers.linear import MergedLinear
+from hookllm.config import LOAD_FORMATS
+from hookllm.layers.linear import LoadedWeight, loaded_shape, materialize
+from hookllm.layers.norm import RMSNorm
+
+DUMMY_STD = 0.02
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -59,14 +70,65 @@ def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]
                 yield name, f.get_tensor(name)
 
 
+def iterate_weight_slices(model_dir: str | Path) -> Iterator[tuple[str, Any]]:
+    """Yield (name, lazy slice) for every tensor: ``safe_open(...).get_slice(name)`` objects
+    whose ``[a:b]`` / ``[:, a:b]`` indexing reads only those elements, and ``get_shape()`` none.
+
+    A slice is valid until the next item is requested (its file is then closed at the end).
+    """
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+
+
+def initialize_dummy_weights(model: nn.Module, seed: int = 0, std: float = DUMMY_STD) -> None:
+    """Fill every parameter in place without reading a file: norm weights (``RMSNorm``,
+    ``LayerNorm``) 1 and LayerNorm biases 0, everything else normal(0, ``std``).
+
+    Each parameter's generator is seeded from ``seed`` and its name, so every rank draws the
+    same values for replicated parameters (and the run is reproducible).
+    """
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            owner = modules[name.rpartition(".")[0]]
+            if isinstance(owner, (RMSNorm, nn.LayerNorm)):
+                param.fill_(1.0 if name.endswith("weight") else 0.0)
+                continue
+            generator = torch.Generator(param.device).manual_seed(seed + zlib.crc32(name.encode()))
+            param.normal_(0.0, std, generator=generator)
+
+
+def load_checkpoint(model: nn.Module, model_dir: str | Path, load_format: str = "auto") -> None:
+    """Load ``model``'s weights the way ``load_format`` says.
+
+    ``"auto"`` / ``"safetensors"``: ``model.load_weights`` gets lazy slices
+    (`iterate_weight_slices`) when the class sets ``supports_tensor_parallel = True`` (its
+    loader must accept them, as `load_weights_into` does), else whole tensors
+    (`iterate_weights`). ``"dummy"``: `initialize_dummy_weights`, no file is opened.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if load_format == "dummy":
+        initialize_dummy_weights(model)
+    elif getattr(model, "supports_tensor_parallel", False):
+        model.load_weights(iterate_weight_slices(model_dir))
+    else:
+        model.load_weights(iterate_weights(model_dir))
+
+
 def load_weights_into(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, LoadedWeight]],
     stacked: Sequence[tuple[str, str, str]] = (),
     skip: Callable[[str], bool] = lambda name: False,
 ) -> None:
     """Copy checkpoint tensors into ``model``'s parameters by name; fail on any mismatch.
 
+    ``weights`` holds whole tensors or lazy safetensors slices. A parameter whose module has a
+    ``weight_loader`` (the tensor-parallel layers) is handed to it, with the shard name for a
+    fused one, and it copies this rank's part; any other parameter receives the whole tensor.
     ``stacked`` maps checkpoint names onto fused parameters: ``(".qkv_proj", ".q_proj", "q")``
     sends ``...q_proj.weight`` to shard ``"q"`` of ``...qkv_proj.weight``. ``skip`` names
     checkpoint tensors to ignore (e.g. a saved copy of a tied lm_head). Raises ``ValueError``
@@ -76,8 +138,8 @@ def load_weights_into(
     modules = dict(model.named_modules())
     expected: set[tuple[str, str | None]] = set()
     for name in params:
-        owner = modules.get(name.rsplit(".", 1)[0])
-        if isinstance(owner, MergedLinear):
+        owner = modules.get(name.rpartition(".")[0])
+        if hasattr(owner, "shard_offsets"):
             expected.update((name, shard) for shard in owner.shard_offsets)
         else:
             expected.add((name, None))
@@ -95,16 +157,24 @@ def load_weights_into(
         if param is None or (name, shard) not in expected:
             unexpected.append(ckpt_name)
             continue
+        owner = modules[name.rpartition(".")[0]]
+        weight_loader = getattr(owner, "weight_loader", None)
         with torch.no_grad():
-            if shard is None:
-                if param.shape != tensor.shape:
+            if weight_loader is not None:
+                args = (param, tensor) if shard is None else (param, tensor, shard)
+                try:
+                    weight_loader(*args)
+                except ValueError as exc:
+                    raise ValueError(f"checkpoint tensor {ckpt_name}: {exc}") from exc
+            elif shard is None:
+                if tuple(param.shape) != loaded_shape(tensor):
                     raise ValueError(
-                        f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}, "
+                        f"checkpoint tensor {ckpt_name} has shape {loaded_shape(tensor)}, "
                         f"model expects {tuple(param.shape)}"
                     )
-                param.data.copy_(tensor)
+                param.data.copy_(materialize(tensor))
             else:
-                modules[name.rsplit(".", 1)[0]].load_shard(param, shard, tensor)
+                owner.load_shard(param, shard, materialize(tensor))
         loaded.add((name, shard))
     missing = sorted(f"{n} [{s}]" if s else n for n, s in expected - loaded)
     problems = []

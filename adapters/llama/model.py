@@ -2,6 +2,10 @@
 
 One implementation serves all four; the differences are two flags read from the class. Weights
 load from HF checkpoints, with q/k/v and gate/up fused into single matmuls.
+
+Tensor parallel (``supports_tensor_parallel``): attention heads, the MLP's intermediate dim and
+the vocabulary are split across ranks (see docs/tensor-parallel.md); with one rank the layers
+are the plain matmuls.
 """
 
 from __future__ import annotations
@@ -11,8 +15,11 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from hookllm.layers import Attention, RMSNorm, SiluAndMul, get_rope
-from hookllm.layers.linear import MergedLinear
+from hookllm.layers import (
+    Attention, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm, RowParallelLinear,
+    SiluAndMul, VocabParallelEmbedding, get_rope,
+)
+from hookllm.layers.linear import LoadedWeight
 from hookllm.model_loader import load_weights_into
 
 
@@ -26,15 +33,17 @@ def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
 class DecoderAttention(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, rotary_emb: nn.Module):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias)
+        # This rank's heads: the paged KV cache holds only the local KV heads.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_dim, config.hidden_size, bias=getattr(config, "attention_bias", False)
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
         self.rotary_emb = rotary_emb
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -53,10 +62,10 @@ class DecoderMLP(nn.Module):
     def __init__(self, config: Any):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedLinear(
+        self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, {"gate": config.intermediate_size, "up": config.intermediate_size}, bias=bias
         )
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +96,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table shared by every layer (it is max_position x head_dim floats).
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         base, scaling = rope_settings(config)
@@ -111,6 +120,9 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama decoder; subclasses switch on Qwen2's qkv bias and Qwen3's per-head q/k RMSNorm."""
 
+    # Opt-in checked by hookllm.distributed.check_tensor_parallel: built from the parallel
+    # layers, and load_weights accepts lazy safetensors slices.
+    supports_tensor_parallel = True
     qkv_bias = False
     qk_norm = False
 
@@ -119,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
         self.model = DecoderModel(config, qkv_bias, self.qk_norm)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -132,9 +144,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits on every rank (the head all-gathers its vocabulary shards)."""
         return self.lm_head(hidden_states)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
+        """Whole tensors or lazy safetensors slices; each parallel layer copies its rank's shard."""
         tied = getattr(self.config, "tie_word_embeddings", False)
         load_weights_into(
             self,

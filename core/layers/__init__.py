@@ -1,8 +1,17 @@
-"""Model building blocks shared by adapters: paged attention, norms, rotary, fused linears."""
+"""Model building blocks shared by adapters: paged attention, norms, rotary, fused and
+tensor-parallel linears, vocab-parallel embedding and LM head."""
 
 from hookllm.layers.attention import Attention
 from hookllm.layers.norm import RMSNorm
 from hookllm.layers.rotary import RotaryEmbedding, get_rope
 from hookllm.layers.activation import SiluAndMul
+from hookllm.layers.linear import (
+    ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+)
+from hookllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
-__all__ = ["Attention", "RMSNorm", "RotaryEmbedding", "get_rope", "SiluAndMul"]
+__all__ = [
+    "Attention", "RMSNorm", "RotaryEmbedding", "get_rope", "SiluAndMul",
+    "ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear",
+    "VocabParallelEmbedding", "ParallelLMHead",
+]

@@ -1,13 +1,62 @@
-"""Linear layers that fuse several checkpoint projections into one matmul (qkv, gate_up)."""
+"""Linear layers: fused projections (qkv, gate_up) and their tensor-parallel forms.
+
+Parallel layers read this process's rank and size from `hookllm.distributed` when built and
+keep only this rank's shard of each weight. Each has a ``weight_loader`` that takes the FULL
+checkpoint tensor, or a lazy safetensors slice (``safe_open(...).get_slice(name)``), and copies
+only this rank's rows or columns, so a rank never reads the other ranks' shards from disk.
+With one rank they are plain matmuls: no collective, no extra copy.
+
+- `ColumnParallelLinear`: output dim split; no communication (the next layer consumes the shard).
+- `MergedColumnParallelLinear`: several projections stacked on the output dim (gate/up), each split.
+- `QKVParallelLinear`: q/k/v split by heads; KV heads replicated when there are fewer than ranks.
+- `RowParallelLinear`: input dim split; one all-reduce of the partial sums, then the bias once.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from hookllm.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+
+# A checkpoint tensor or a lazy safetensors slice (anything with get_shape() and [slices]).
+LoadedWeight = Any
+
+
+def loaded_shape(loaded: LoadedWeight) -> tuple[int, ...]:
+    """The full shape of a checkpoint tensor or lazy slice, without reading its data."""
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def materialize(loaded: LoadedWeight) -> torch.Tensor:
+    """The whole tensor (reads a lazy slice entirely)."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[...]
+
+
+def narrow_loaded(loaded: LoadedWeight, dim: int, start: int, size: int) -> torch.Tensor:
+    """Rows ``start:start+size`` of ``dim``; a lazy slice reads only those from the file."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, size)
+    return loaded[(slice(None),) * dim + (slice(start, start + size),)]
+
+
+def check_loaded_shape(loaded: LoadedWeight, expected: tuple[int, ...], what: str) -> None:
+    """Raise ``ValueError`` unless the checkpoint tensor has the full (unsharded) shape ``expected``."""
+    if loaded_shape(loaded) != expected:
+        raise ValueError(f"{what}: checkpoint shape {loaded_shape(loaded)} != expected {expected}")
+
+
+def _divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what}={total} is not divisible by tensor_parallel_size={parts}")
+    return total // parts
 
 
 class MergedLinear(nn.Linear):
-    """One weight holding several checkpoint projections stacked on the output dim.
+    """One weight holding several checkpoint projections stacked on the output dim (single rank).
 
     ``shard_sizes`` maps a shard name (e.g. ``"q"``, ``"k"``, ``"v"``) to its output rows, in
     order; ``load_shard`` copies a checkpoint tensor into its rows of ``weight`` or ``bias``.
@@ -27,3 +76,133 @@ class MergedLinear(nn.Linear):
         if target.shape != loaded.shape:
             raise ValueError(f"shard {shard!r}: checkpoint shape {tuple(loaded.shape)} != expected {tuple(target.shape)}")
         target.copy_(loaded)
+
+
+class _ShardedLinear(nn.Module):
+    """Parameters ``weight`` [out, in] and optional ``bias`` [bias_size], left uninitialised
+    (the loader or the dummy initialiser fills them), and the rank they belong to."""
+
+    def __init__(self, local_in: int, local_out: int, bias_size: int | None):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.weight = nn.Parameter(torch.empty(local_out, local_in), requires_grad=False)
+        if bias_size is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = nn.Parameter(torch.empty(bias_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        out, inp = self.weight.shape
+        return f"local in={inp}, out={out}, bias={self.bias is not None}, tp_rank={self.tp_rank}/{self.tp_size}"
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """``y = x W^T + b`` with W's output rows split evenly: rank r computes outputs
+    ``[r * n, (r + 1) * n)``, ``n = output_size / tp``. The output stays sharded."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        local = _divide(output_size, get_tp_size(), "output_size")
+        super().__init__(input_size, local, local if bias else None)
+        self.input_size, self.output_size = input_size, output_size
+
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
+        full = (self.output_size,) + tuple(param.shape[1:])
+        check_loaded_shape(loaded, full, type(self).__name__)
+        local = param.shape[0]
+        param.data.copy_(narrow_loaded(loaded, 0, self.tp_rank * local, local))
+
+
+class MergedColumnParallelLinear(_ShardedLinear):
+    """Several column-parallel projections in one matmul (gate and up): each is split across
+    ranks, and the local weight stacks this rank's part of each, in order."""
+
+    def __init__(self, input_size: int, output_sizes: dict[str, int], bias: bool = False):
+        tp = get_tp_size()
+        self.output_sizes = dict(output_sizes)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}  # shard -> (local start, local size)
+        start = 0
+        for name, size in output_sizes.items():
+            local = _divide(size, tp, f"{name} output_size")
+            self.shard_offsets[name] = (start, local)
+            start += local
+        super().__init__(input_size, start, start if bias else None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard: str) -> None:
+        start, size = self.shard_offsets[shard]
+        full = (self.output_sizes[shard],) + tuple(param.shape[1:])
+        check_loaded_shape(loaded, full, f"{type(self).__name__} shard {shard!r}")
+        param.data.narrow(0, start, size).copy_(narrow_loaded(loaded, 0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(_ShardedLinear):
+    """Fused q/k/v projection split by attention heads.
+
+    Rank r holds query heads ``[r * H / tp, (r + 1) * H / tp)``. With at least as many KV heads
+    as ranks it holds ``KV / tp`` of them; with fewer (``tp % KV == 0``) each rank holds the one
+    KV head its query heads attend to (head ``r * KV // tp``), replicated on ``tp / KV`` ranks.
+    ``num_heads`` and ``num_kv_heads`` are this rank's counts.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool = False):
+        tp = get_tp_size()
+        self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
+        self.num_heads = _divide(total_num_heads, tp, "num_attention_heads")
+        if total_num_kv_heads >= tp:
+            self.num_kv_heads = _divide(total_num_kv_heads, tp, "num_key_value_heads")
+        elif tp % total_num_kv_heads:
+            raise ValueError(
+                f"num_key_value_heads={total_num_kv_heads} neither divides nor is divisible by "
+                f"tensor_parallel_size={tp}"
+            )
+        else:
+            self.num_kv_heads = 1
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.shard_offsets = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
+        super().__init__(hidden_size, q + 2 * kv, q + 2 * kv if bias else None)
+
+    def _first_head(self, shard: str) -> int:
+        """The first checkpoint head of ``shard`` that this rank holds."""
+        if shard == "q":
+            return self.tp_rank * self.num_heads
+        if self.total_num_kv_heads >= self.tp_size:
+            return self.tp_rank * self.num_kv_heads
+        return self.tp_rank * self.total_num_kv_heads // self.tp_size
+
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard: str) -> None:
+        start, size = self.shard_offsets[shard]
+        total_heads = self.total_num_heads if shard == "q" else self.total_num_kv_heads
+        full = (total_heads * self.head_dim,) + tuple(param.shape[1:])
+        check_loaded_shape(loaded, full, f"{type(self).__name__} shard {shard!r}")
+        rows = narrow_loaded(loaded, 0, self._first_head(shard) * self.head_dim, size)
+        param.data.narrow(0, start, size).copy_(rows)
+
+
+class RowParallelLinear(_ShardedLinear):
+    """``y = x W^T + b`` with W's input columns split: rank r multiplies its slice of ``x``
+    (the sharded output of a column-parallel layer) by its columns, then one all-reduce sums the
+    partial products. The bias is replicated and added once, after the sum."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        local = _divide(input_size, get_tp_size(), "input_size")
+        super().__init__(local, output_size, output_size if bias else None)
+        self.input_size, self.output_size = input_size, output_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
+        if param is self.bias:
+            check_loaded_shape(loaded, (self.output_size,), f"{type(self).__name__} bias")
+            param.data.copy_(materialize(loaded))
+            return
+        check_loaded_shape(loaded, (self.output_size, self.input_size), type(self).__name__)
+        local = param.shape[1]
+        param.data.copy_(narrow_loaded(loaded, 1, self.tp_rank * local, local))

@@ -1,0 +1,121 @@
+"""Helpers of the tensor-parallel tests: run a function on gloo ranks in spawned processes, build
+a model from a checkpoint, and run prompts through the paged attention path without an engine."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from hookllm.config import load_hf_config
+from hookllm.distributed import cleanup_dist_env_and_memory, init_tensor_parallel
+from hookllm.forward_context import AttentionMetadata, set_forward_context
+from hookllm.kernels import get_attention_backend
+from hookllm.layers import Attention
+from hookllm.model_loader import building_on, load_checkpoint
+
+BLOCK_SIZE = 16
+# Each prompt runs in two steps: all but its last TAIL tokens, then those reading the cache.
+TAIL = 2
+
+
+def run_ranks(fn: Callable[..., None], world_size: int, args: tuple, timeout_s: float = 240.0) -> None:
+    """Run ``fn(rank, *args)`` in ``world_size`` spawned processes; re-raise a rank's error and
+    fail (terminating the ranks) if they are not all done within ``timeout_s``."""
+    context = mp.start_processes(fn, args=args, nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"tensor-parallel ranks still running after {timeout_s:.0f}s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+
+
+def randomize_biases(path: Path, seed: int = 0) -> None:
+    """transformers initialises biases to zero; random ones make "bias added once" observable."""
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    generator = torch.Generator().manual_seed(seed)
+    for name, tensor in tensors.items():
+        if name.endswith(".bias"):
+            tensors[name] = torch.randn(tensor.shape, generator=generator) * 0.2
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def build_model(path: Path, load_format: str = "auto") -> torch.nn.Module:
+    """The Llama adapter's class for the checkpoint, built in fp32 on the CPU and loaded."""
+    from hookllm.adapters.llama import model as llama
+
+    hf_config = load_hf_config(path)
+    with building_on(torch.device("cpu"), torch.float32):
+        model = getattr(llama, hf_config.architectures[0])(hf_config)
+    load_checkpoint(model, path, load_format)
+    return model.eval()
+
+
+def paged_logits(model: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Logits at every prompt position, prompts concatenated: ``[sum(len), vocab]``.
+
+    The prompts run as one batch in two steps (a prefill of all but the last ``TAIL`` tokens,
+    then those, attending to the cached K/V), through the torch paged attention backend.
+    """
+    lengths = [len(p) for p in prompts]
+    blocks = [-(-n // BLOCK_SIZE) for n in lengths]
+    table = torch.zeros(len(prompts), max(blocks), dtype=torch.int32)
+    first = 0
+    for i, n in enumerate(blocks):
+        table[i, :n] = torch.arange(first, first + n)
+        first += n
+    for layer in (m for m in model.modules() if isinstance(m, Attention)):
+        shape = (first, BLOCK_SIZE, layer.num_kv_heads, layer.head_dim)
+        layer.k_cache, layer.v_cache = torch.zeros(shape), torch.zeros(shape)
+    backend = get_attention_backend("torch")
+    per_prompt: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for step in range(2):
+        spans = [(0, n - TAIL) if step == 0 else (n - TAIL, n) for n in lengths]
+        ids = torch.cat([torch.tensor(p[lo:hi]) for p, (lo, hi) in zip(prompts, spans)])
+        positions = torch.cat([torch.arange(lo, hi) for lo, hi in spans])
+        rows = torch.cat([torch.full((hi - lo,), i) for i, (lo, hi) in enumerate(spans)])
+        counts = torch.tensor([hi - lo for lo, hi in spans])
+        metadata = AttentionMetadata(
+            slot_mapping=table[rows, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE,
+            block_tables=table,
+            seq_lens=torch.tensor([hi for _, hi in spans], dtype=torch.int32),
+            query_start_loc=torch.cat([torch.zeros(1), counts.cumsum(0)]).to(torch.int32),
+            max_query_len=int(counts.max()), max_seq_len=max(hi for _, hi in spans), backend=backend,
+        )
+        with torch.inference_mode(), set_forward_context(metadata):
+            logits = model.compute_logits(model(ids, positions))
+        for i, chunk in enumerate(logits.split(counts.tolist())):
+            per_prompt[i].append(chunk)
+    return torch.cat([torch.cat(chunks) for chunks in per_prompt])
+
+
+def tp_worker(rank: int, world_size: int, init_method: str, cases: dict[str, str], prompts: list[list[int]],
+              dummy_dir: str, out_dir: str) -> None:
+    """One rank: load each case ``world_size``-way, save its logits, parameter shapes and
+    layer-0 qkv shard; then the dummy load format on ``dummy_dir`` (a config.json only)."""
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    init_tensor_parallel(rank, world_size, "gloo", init_method)
+    try:
+        results: dict[str, Any] = {}
+        for name, path in cases.items():
+            model = build_model(Path(path))
+            results[name] = {
+                "logits": paged_logits(model, prompts),
+                "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
+                "qkv": model.model.layers[0].self_attn.qkv_proj.weight.detach().clone(),
+            }
+        model = build_model(Path(dummy_dir), load_format="dummy")
+        results["dummy"] = {"logits": paged_logits(model, prompts)}
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        cleanup_dist_env_and_memory()
