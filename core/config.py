@@ -65,6 +65,7 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     plugin: str | None = None  # the plugin whose registered class serves ``architecture``
+    load_format: str = "auto"  # EngineConfig.load_format: "dummy" loads random weights
 
     @classmethod
     def from_path(cls, path: str, dtype: torch.dtype, max_model_len: int | None) -> "ModelConfig":

@@ -8,6 +8,7 @@ from typing import Any, Iterable
 from hookllm.block_manager import BlockManager
 from hookllm.config import EngineConfig, ModelConfig, resolve_device, text_config_of
 from hookllm.model_runner import StepOutput
+from hookllm.multiproc_executor import MultiprocWorkers
 from hookllm.output_processor import OutputProcessor
 from hookllm.outputs import RequestOutput
 from hookllm.plugins.manager import PluginManager
@@ -49,7 +50,9 @@ class LLMEngine:
         self.plugin_manager = plugin_manager or PluginManager()
         self.model_config, self.hooks = resolve_model(config, self.plugin_manager)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self.worker = Worker(config, self.model_config, self.hooks, self.plugin_manager.registry)
+        # One rank: the worker lives here. Several: one process per rank, fed the same snapshots.
+        self.worker = (Worker(config, self.model_config, self.hooks, self.plugin_manager.registry)
+                       if config.tensor_parallel_size == 1 else MultiprocWorkers(config))
         self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    eos_token_ids(self.model_config, self.tokenizer))
@@ -151,6 +154,12 @@ class LLMEngine:
     def get_stats(self) -> SchedulerStats:
         """Running and waiting requests and KV-cache use now (for metrics)."""
         return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        """Abort what runs, stop the worker processes (tensor parallelism) and free the KV cache."""
+        self.abort_request(list(self.scheduler.requests))
+        self.in_flight.clear()
+        self.worker.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)

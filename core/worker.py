@@ -12,6 +12,7 @@ from torch import nn
 
 from hookllm.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, text_config_of
 from hookllm.cuda_graph import CudaGraphRunner
+from hookllm.distributed import check_tensor_parallel
 from hookllm.forward_context import AttentionMetadata, set_forward_context
 from hookllm.kernels import get_attention_backend, resolve_attention_backend
 from hookllm.layers.attention import Attention
@@ -29,6 +30,10 @@ def resolve_model(config: EngineConfig, plugin_manager: PluginManager) -> tuple[
     model_config = ModelConfig.from_path(config.model, resolve_dtype(config.dtype, device), config.max_model_len)
     owner = plugin_manager.model_owner(model_config.architecture, selected)
     model_config.plugin = owner
+    model_config.load_format = config.load_format
+    if config.tensor_parallel_size > 1:
+        check_tensor_parallel(plugin_manager.registry.resolve(model_config.architecture, owner), model_config.hf_config,
+                              config.tensor_parallel_size, torch.cuda.device_count() if device.type == "cuda" else None)
     active = selected + ([owner] if owner not in selected else [])
     return model_config, plugin_manager.active_hooks(active)
 
@@ -130,3 +135,7 @@ class Worker:
 
     def execute(self, scheduler_output: SchedulerOutput, previous: StepOutput | None = None) -> StepOutput | None:
         return self.runner.execute(scheduler_output, previous)
+
+    def shutdown(self) -> None:
+        """Release the KV cache (the model goes with the last reference to the worker)."""
+        self._allocate_kv_cache(0)

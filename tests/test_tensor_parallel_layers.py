@@ -9,7 +9,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 import tp_helpers
 from hookllm import distributed, testing
@@ -22,19 +21,8 @@ from hookllm.layers import (
 )
 
 WORLD = 2
-HIDDEN, INTERMEDIATE, HEADS = 64, 128, 4
-COMMON = dict(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=2,
-              num_attention_heads=HEADS, max_position_embeddings=256)
-CASES = {
-    # GQA with every bias (random, so the row-parallel "bias added once" shows).
-    "llama-gqa-bias": lambda: LlamaConfig(**COMMON, vocab_size=320, num_key_value_heads=2,
-                                          attention_bias=True, mlp_bias=True),
-    # Tied embeddings, qkv bias, and a vocabulary that does not split evenly (padded to 302).
-    "qwen2-tied-odd-vocab": lambda: Qwen2Config(**COMMON, vocab_size=301, num_key_value_heads=2,
-                                                tie_word_embeddings=True),
-    # One KV head for two ranks: replicated; q/k norm.
-    "qwen3-one-kv-head": lambda: Qwen3Config(**COMMON, vocab_size=320, num_key_value_heads=1, head_dim=32),
-}
+HIDDEN, INTERMEDIATE, HEADS = tp_helpers.HIDDEN, tp_helpers.INTERMEDIATE, tp_helpers.HEADS
+CASES = tp_helpers.CASES
 PROMPTS = testing.random_prompts(3, 301, min_len=5, max_len=40, seed=5)
 
 

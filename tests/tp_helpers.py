@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from hookllm.config import load_hf_config
 from hookllm.distributed import cleanup_dist_env_and_memory, init_tensor_parallel
@@ -17,6 +18,20 @@ from hookllm.forward_context import AttentionMetadata, set_forward_context
 from hookllm.kernels import get_attention_backend
 from hookllm.layers import Attention
 from hookllm.model_loader import building_on, load_checkpoint
+
+HIDDEN, INTERMEDIATE, HEADS = 64, 128, 4
+COMMON = dict(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=2,
+              num_attention_heads=HEADS, max_position_embeddings=256)
+CASES = {
+    # GQA with every bias (random, so the row-parallel "bias added once" shows).
+    "llama-gqa-bias": lambda: LlamaConfig(**COMMON, vocab_size=320, num_key_value_heads=2,
+                                          attention_bias=True, mlp_bias=True),
+    # Tied embeddings, qkv bias, and a vocabulary that does not split evenly (padded to 302).
+    "qwen2-tied-odd-vocab": lambda: Qwen2Config(**COMMON, vocab_size=301, num_key_value_heads=2,
+                                                tie_word_embeddings=True),
+    # One KV head for two ranks: replicated; q/k norm.
+    "qwen3-one-kv-head": lambda: Qwen3Config(**COMMON, vocab_size=320, num_key_value_heads=1, head_dim=32),
+}
 
 BLOCK_SIZE = 16
 # Each prompt runs in two steps: all but its last TAIL tokens, then those reading the cache.

@@ -116,6 +116,10 @@ class EncoderCache:
 
 
 class LlavaForConditionalGeneration(nn.Module):
+    # Under tensor parallelism the text decoder is sharded by its own parallel layers (it reads
+    # full tensors here and keeps its slices); the vision tower and projector are replicated.
+    supports_tensor_parallel = True
+
     def __init__(self, config: Any, text_model_cls: type[nn.Module]):
         super().__init__()
         if config.vision_feature_select_strategy not in ("default", "full"):

@@ -1,0 +1,219 @@
+"""Tensor parallelism: one worker process per rank, driven by the engine's plain snapshots.
+
+The engine's process keeps the scheduler and the output processor; ``tensor_parallel_size``
+spawned processes each own one shard of the model and its KV cache (``hookllm.distributed``,
+NCCL on GPUs, gloo on the CPU). Each step's ``SchedulerOutput`` goes to every rank through a
+pipe; the ranks run the same forward in lockstep (the parallel layers' collectives carry the
+tensors) and sample the same tokens from the same all-gathered logits and generators; rank 0
+sends the sampled ids back. A rank that raises sends its error; a rank that dies closes its
+sentinel: either ends the engine with an error naming the rank, never a hang.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections import deque
+import threading
+import traceback
+from dataclasses import replace
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from hookllm.config import EngineConfig
+from hookllm.scheduler_output import SchedulerOutput
+
+READY_TIMEOUT_S = 600.0  # loading a large checkpoint and capturing CUDA graphs takes a while
+POLL_S = 1.0
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel rank raised or died; the message names the rank and the cause."""
+
+
+def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connection) -> None:
+    """One rank: join the group, build the worker, then run every snapshot the driver sends."""
+    try:
+        import torch
+
+        from hookllm.distributed import init_tensor_parallel
+        from hookllm.worker import Worker
+
+        size = config.tensor_parallel_size
+        cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        init_tensor_parallel(rank, size, "nccl" if cuda else "gloo", init_method, device if cuda else None)
+        worker = Worker.from_config(replace(config, device=str(device)))
+        conn.send(("ready", worker.num_kv_blocks))
+        sender = _ResultSender(conn) if rank == 0 else None
+        previous = None
+        while True:
+            message = conn.recv()
+            if message is None:
+                break
+            scheduler_output, has_previous = message
+            previous = worker.execute(scheduler_output, previous if has_previous else None)
+            if sender is not None:
+                sender.put(previous)
+        if sender is not None:
+            sender.close()
+    except BaseException:  # noqa: BLE001 - every failure goes to the driver, named by rank
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+    finally:
+        from hookllm.distributed import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+
+
+class _ResultSender:
+    """Rank 0's sampled tokens go back from a thread, so the rank receives and launches the next
+    step while this one's tokens are still being copied to the host."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.pending: list[Any] = []
+        self.ready = threading.Condition()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def put(self, step_output: Any) -> None:
+        with self.ready:
+            self.pending.append(step_output)
+            self.ready.notify()
+
+    def close(self) -> None:
+        self.put(StopIteration)
+        self.thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self.ready:
+                while not self.pending:
+                    self.ready.wait()
+                step_output = self.pending.pop(0)
+            if step_output is StopIteration:
+                return
+            self.conn.send(("result", step_output.resolve() if step_output is not None else None))
+
+
+class RemoteStepOutput:
+    """A step running on the ranks: ``resolve`` reads rank 0's tokens (in step order)."""
+
+    def __init__(self, workers: "MultiprocWorkers"):
+        self.workers = workers
+        self.result: tuple[list[int], list[Any]] | None = None
+
+    def resolve(self) -> tuple[list[int], list[Any]]:
+        while self.result is None:
+            self.workers.receive_next_result()
+        return self.result
+
+    def token_ids(self) -> list[int]:
+        return self.resolve()[0]
+
+
+class MultiprocWorkers:
+    """The driver's handle on ``tensor_parallel_size`` worker processes; used as the engine's worker."""
+
+    def __init__(self, config: EngineConfig):
+        size = config.tensor_parallel_size
+        context = multiprocessing.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.processes: list[Any] = []
+        self.conns: list[Connection] = []
+        self.awaiting: list[RemoteStepOutput] = []  # steps whose tokens rank 0 has not sent yet
+        self.inbox: list[deque[tuple[str, Any]]] = [deque() for _ in range(size)]  # read, not yet taken
+        for rank in range(size):
+            parent, child = context.Pipe()
+            process = context.Process(target=_worker_main, args=(config, rank, init_method, child),
+                                      name=f"hookllm-tp-rank{rank}", daemon=True)
+            process.start()
+            child.close()
+            self.processes.append(process)
+            self.conns.append(parent)
+        try:
+            blocks = [self._receive(rank, "ready", READY_TIMEOUT_S) for rank in range(size)]
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_kv_blocks = min(blocks)
+
+    def execute(self, scheduler_output: SchedulerOutput, previous: Any = None) -> RemoteStepOutput | None:
+        """Send the step to every rank; a step that samples nothing returns None, like a local worker."""
+        message = (scheduler_output, previous is not None)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send(message)
+            except OSError:
+                self._fail(rank, "its pipe closed")
+        if scheduler_output.is_empty() or not scheduler_output.sampling_rows:
+            # Rank 0 still answers (None) for every executed step: keep the answers in order.
+            self.awaiting.append(RemoteStepOutput(self))
+            return None
+        step = RemoteStepOutput(self)
+        self.awaiting.append(step)
+        return step
+
+    def receive_next_result(self) -> None:
+        """Take rank 0's next answer for the oldest awaiting step."""
+        step = self.awaiting.pop(0)
+        step.result = self._receive(0, "result", None) or ([], [])
+
+    def _receive(self, rank: int, kind: str, timeout_s: float | None) -> Any:
+        """The next message of ``kind`` from ``rank``, watching every rank for errors and deaths."""
+        waited = 0.0
+        while True:
+            if self.inbox[rank]:
+                tag, payload = self.inbox[rank].popleft()
+                if tag != kind:
+                    self._fail(rank, f"sent {tag!r} where {kind!r} was expected")
+                return payload
+            ready = wait(self.conns + [p.sentinel for p in self.processes], timeout=POLL_S)
+            for r, conn in enumerate(self.conns):
+                if conn in ready:
+                    tag, payload = self._recv(r)
+                    if tag == "error":
+                        self._fail(r, payload)
+                    self.inbox[r].append((tag, payload))
+            for r, process in enumerate(self.processes):
+                if process.sentinel in ready and not self.conns[r].poll() and not self.inbox[r]:
+                    self._fail(r, f"the process exited with code {process.exitcode}")
+            waited += POLL_S
+            if timeout_s is not None and waited > timeout_s:
+                self._fail(rank, f"no {kind!r} message within {timeout_s:.0f} s")
+
+    def _recv(self, rank: int) -> tuple[str, Any]:
+        try:
+            return self.conns[rank].recv()
+        except (EOFError, OSError):
+            self._fail(rank, f"the process exited with code {self.processes[rank].exitcode}")
+
+    def _fail(self, rank: int, cause: str) -> None:
+        self.shutdown()
+        raise WorkerError(f"tensor-parallel worker rank {rank} failed: {cause.strip()}")
+
+    def shutdown(self) -> None:
+        """Stop every rank (politely, then by force); safe to call twice."""
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for process in self.processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.processes = [], []
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
