@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -68,6 +69,10 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(served_model_names=args.served_model_names or [args.model or engine.config.model],
                               api_key=args.api_key or None,
                               allowed_local_media_path=media.resolve() if media is not None else None)
+    # uvicorn re-raises the SIGTERM/SIGINT it caught once it has shut down: end with status 0
+    # then (a clean stop, not a crash) instead of the default handlers' kill or traceback.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _exit_after_shutdown)
     try:
         app = build_app(engine, settings)
         # uvicorn handles SIGINT/SIGTERM: stop accepting, let requests finish for up to
@@ -77,6 +82,10 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def _exit_after_shutdown(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
 
 
 def _post_stream(args: argparse.Namespace, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
