@@ -1,4 +1,4 @@
-"""The ``hookllm`` command: ``generate`` and ``plugins``."""
+"""The ``hookllm`` command: ``generate``, ``plugins``, and ``serve`` / ``complete`` / ``chat`` (hookllm.server)."""
 
 from __future__ import annotations
 
@@ -96,10 +96,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     _generate_parser(subparsers, plugin_manager)
     plugins = subparsers.add_parser("plugins", help="list installed plugins, their hooks and load errors")
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
+    from hookllm.server import cli as server_cli
+
+    server_cli.add_parsers(subparsers)
     args = parser.parse_args(argv)
     try:
         if args.command == "plugins":
             return _run_plugins(args, plugin_manager)
+        if args.command in server_cli.COMMANDS:
+            return server_cli.run(args)
         return _run_generate(args)
     except ValueError as exc:
         print(f"hookllm: error: {exc}", file=sys.stderr)

@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    import fastapi
     import torch
 
+    from hookllm.async_engine import AsyncLLM
     from hookllm.batch import Batch, RequestState
     from hookllm.chat import RenderedContent
     from hookllm.config import ModelConfig
@@ -145,4 +147,22 @@ def add_cli_options(parser: argparse.ArgumentParser) -> None:
         @hookimpl
         def add_cli_options(parser):
             parser.add_argument("--ban", type=int, action="append", dest="banned_token_ids")
+    """
+
+
+@hookspec
+def add_routes(app: fastapi.FastAPI, engine: AsyncLLM) -> None:
+    """Add HTTP routes to the ``hookllm serve`` app (the active plugins' implementations, all called).
+
+    ``app`` is the server's FastAPI app, with the OpenAI routes already in place (a route with
+    the same path as one of them is never reached); ``engine`` is the server's
+    :class:`hookllm.async_engine.AsyncLLM`: ``async for out in engine.generate(prompt,
+    params)``, ``await engine.tokenize(text)``, ``engine.get_stats()``, ``engine.config``.
+    The server's ``--api-key`` guards these routes too::
+
+        @hookimpl
+        def add_routes(app, engine):
+            @app.get("/v1/my-plugin/stats")
+            async def stats():
+                return {"running": engine.get_stats().num_running_reqs}
     """

@@ -76,7 +76,8 @@ def test_plugins_table_lists_packages_with_version_hooks_and_architectures(capsy
     assert main(["plugins"]) == 0
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
     assert re.search(r"hookllm-gpt2 0\.1\.0\s+register_models\s+GPT2LMHeadModel$", rows["gpt2"])
-    assert re.search(r"hookllm-logit-bias 0\.1\.0\s+add_cli_options, process_logits$", rows["logit-bias"])
+    assert re.search(r"hookllm-logit-bias 0\.1\.0\s+add_cli_options, add_routes, process_logits$",
+                     rows["logit-bias"])
 
 
 def test_plugins_json_lists_packages_with_version_hooks_and_architectures(capsys):
@@ -85,7 +86,8 @@ def test_plugins_json_lists_packages_with_version_hooks_and_architectures(capsys
     assert rows["gpt2"] == {"name": "gpt2", "distribution": "hookllm-gpt2", "version": "0.1.0",
                             "hooks": ["register_models"], "architectures": ["GPT2LMHeadModel"], "error": None}
     assert rows["logit-bias"] == {"name": "logit-bias", "distribution": "hookllm-logit-bias", "version": "0.1.0",
-                                  "hooks": ["add_cli_options", "process_logits"], "architectures": [], "error": None}
+                                  "hooks": ["add_cli_options", "add_routes", "process_logits"], "architectures": [],
+                                  "error": None}
 
 
 def test_gpt2_adapter_matches_transformers(gpt2_dir):
@@ -185,3 +187,25 @@ def test_spawned_process_rebuilds_the_same_plugins_from_the_engine_config(gpt2_d
     parent = engine_plugins_and_tokens(config)
     assert parent == child
     assert parent[0] == ["core", "logit-bias", "gpt2"] and 7 not in parent[1]
+
+
+def test_logit_bias_route_is_served_when_the_plugin_is_active_only(gpt2_dir):
+    import asyncio
+
+    import httpx
+
+    from hookllm.async_engine import AsyncLLM
+    from hookllm.server.app import ServerSettings, build_app
+
+    async def get(plugins: list[str]) -> httpx.Response:
+        config = EngineConfig(str(gpt2_dir), plugins=plugins, device="cpu", dtype="float32", num_kv_blocks=16)
+        engine = AsyncLLM.from_engine_config(config)
+        try:
+            app = build_app(engine, ServerSettings(served_model_names=["gpt2"]))
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as http:
+                return await http.get("/v1/logit-bias/token-ids", params={"text": "w5 w17"})
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(get(["logit-bias"])).json() == {"text": "w5 w17", "token_ids": [5, 17]}
+    assert asyncio.run(get([])).status_code == 404

@@ -2,6 +2,9 @@
 
     SamplingParams(extra_args={"logit_bias": {token_id: bias}, "banned_token_ids": [token_id, ...]})
     hookllm generate --plugin logit-bias --ban 42 --ban 7 "..."
+
+Under ``hookllm serve --plugin logit-bias`` the fields go in the request body's ``extra_args``,
+and ``GET /v1/logit-bias/token-ids?text=...`` gives the token ids to bias or ban.
 """
 
 from hookllm import hookimpl
@@ -22,3 +25,11 @@ def process_logits(logits, batch):
         banned = extra.get("banned_token_ids")
         if banned:
             logits[row, list(banned)] = float("-inf")
+
+
+@hookimpl
+def add_routes(app, engine):
+    @app.get("/v1/logit-bias/token-ids")
+    async def token_ids(text: str) -> dict:
+        """The ids ``text`` tokenizes to (without special tokens): the keys for ``logit_bias``."""
+        return {"text": text, "token_ids": await engine.tokenize(text, add_special_tokens=False)}

@@ -1,0 +1,174 @@
+"""Online serving: ``hookllm serve`` in a subprocess, workload A as streaming requests over loopback.
+
+Workload A (see throughput.py) is sent with token-id prompts through ``/v1/completions``
+(``ignore_eos``, temperature 0.6), first all at once ("full concurrency"), then by a Poisson
+process at each ``--rates`` req/s. Per run: output tok/s, TTFT and TPOT p50/p99. Then the same
+requests through offline ``LLM.generate`` in this process, for the served / offline ratio.
+
+    python benchmarks/serve.py --shape llama-3.2-1b --rates 20,40
+    # CPU smoke test on a small checkpoint:
+    python benchmarks/serve.py --model DIR --num-requests 8 --max-len 32 --rates 4 \\
+        --engine-args "--device cpu --dtype float32 --num-kv-blocks 64"
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import SHAPES, commit, device_name, now, random_checkpoint, write_result  # noqa: E402
+from throughput import workload_a  # noqa: E402
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def start_server(model: Path, port: int, engine_args: str, startup_s: float) -> subprocess.Popen:
+    command = [sys.executable, "-m", "hookllm.cli", "serve", str(model), "--host", HOST, "--port", str(port),
+               "--served-model-name", "bench", "--log-level", "warning", *shlex.split(engine_args)]
+    process = subprocess.Popen(command)
+    deadline = time.monotonic() + startup_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"hookllm serve exited with {process.returncode}")
+        try:
+            if httpx.get(f"http://{HOST}:{port}/health", timeout=1.0).status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    process.terminate()
+    raise RuntimeError(f"hookllm serve was not healthy within {startup_s} s")
+
+
+async def one_request(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion: its send time, token arrival times and token count."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.6, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    arrivals, tokens = [], 0
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            elif event["choices"]:
+                arrivals.append(time.perf_counter())
+    return {"sent": sent, "first": arrivals[0], "last": arrivals[-1], "tokens": tokens}
+
+
+async def run_load(url: str, prompts, max_tokens, rate: float | None) -> dict:
+    """All requests at once (``rate`` None) or with Poisson arrivals at ``rate`` req/s."""
+    gaps = np.random.default_rng(0).exponential(1.0 / rate, len(prompts)) if rate else np.zeros(len(prompts))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
+        start = time.perf_counter()
+        tasks = []
+        for prompt, n, gap in zip(prompts, max_tokens, gaps):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one_request(http, prompt, n)))
+        results = await asyncio.gather(*tasks)
+        seconds = time.perf_counter() - start
+    ttft = np.asarray([r["first"] - r["sent"] for r in results])
+    tpot = np.asarray([(r["last"] - r["first"]) / max(1, r["tokens"] - 1) for r in results])
+    output_tokens = sum(r["tokens"] for r in results)
+    return {"rate_req_s": rate or "max", "num_requests": len(prompts), "wall_s": seconds,
+            "output_tok_s": output_tokens / seconds, "output_tokens": output_tokens,
+            "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)), "ttft_p99_ms": 1e3 * float(np.percentile(ttft, 99)),
+            "tpot_p50_ms": 1e3 * float(np.percentile(tpot, 50)), "tpot_p99_ms": 1e3 * float(np.percentile(tpot, 99))}
+
+
+def run_offline(model: Path, prompts, max_tokens, engine_args: str) -> dict:
+    """The same requests through ``LLM.generate``, with the server's engine flags."""
+    import dataclasses
+
+    from hookllm import LLM, SamplingParams
+    from hookllm.arg_utils import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    config = EngineArgs.from_cli_args(parser.parse_args(["--model", str(model), *shlex.split(engine_args)]))
+    llm = LLM(**dataclasses.asdict(config.create_engine_config()))
+    llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=8))  # warm-up
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    seconds = time.perf_counter() - start
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"wall_s": seconds, "output_tok_s": output_tokens / seconds, "output_tokens": output_tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
+    parser.add_argument("--root", default="/tmp/hookllm-bench")
+    parser.add_argument("--model", type=Path, default=None, help="a checkpoint folder instead of --shape")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--max-len", type=int, default=None, help="cut prompts and max_tokens to this (smoke tests)")
+    parser.add_argument("--rates", default="20", help="comma-separated Poisson rates in req/s ('' for none)")
+    parser.add_argument("--engine-args", default="--max-model-len 2112",
+                        help="engine flags for the server and the offline run, as one string")
+    parser.add_argument("--startup-s", type=float, default=600.0)
+    parser.add_argument("--out", type=Path, default=None, help="folder for the JSON results")
+    args = parser.parse_args()
+
+    model = args.model or random_checkpoint(args.shape, Path(args.root))
+    prompts, max_tokens = workload_a(args.num_requests)
+    vocab = json.loads((model / "config.json").read_text()).get("vocab_size", 10001)
+    prompts = [[t % vocab for t in p[:args.max_len]] for p in prompts]  # a small model's vocabulary
+    max_tokens = [min(n, args.max_len or n) for n in max_tokens]
+    rates = [float(r) for r in args.rates.split(",") if r]
+    name = f"serve-{args.model.name if args.model else args.shape}"
+    results: dict[str, dict] = {}
+    payload = {"device": device_name(), "date": now(), "commit": commit(), "model": str(model),
+               "workload": f"A over HTTP: {args.num_requests} streamed requests, token-id prompts, ignore_eos"
+                           + (f", cut to {args.max_len} tokens" if args.max_len else ""),
+               "engine_args": args.engine_args, "results": results}
+
+    port = free_port()
+    server = start_server(model, port, args.engine_args, args.startup_s)
+    try:
+        url = f"http://{HOST}:{port}"
+        asyncio.run(run_load(url, prompts[:2], [4, 4], None))  # warm-up
+        for rate in [None, *rates]:
+            key = "full_concurrency" if rate is None else f"rate_{rate:g}"
+            results[key] = asyncio.run(run_load(url, prompts, max_tokens, rate))
+    finally:
+        server.terminate()
+        server.wait(60)
+    results["offline"] = run_offline(model, prompts, max_tokens, args.engine_args)
+    for row in results.values():
+        row["vs_offline"] = row["output_tok_s"] / results["offline"]["output_tok_s"]
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    else:
+        write_result(name, payload)
+    print(f"{'run':<18}{'out tok/s':>11}{'x offline':>11}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>9}  (ms)")
+    for key, row in results.items():
+        latency = "".join(f"{row[k]:>{w}.1f}" for k, w in (("ttft_p50_ms", 10), ("ttft_p99_ms", 9),
+                                                            ("tpot_p50_ms", 10), ("tpot_p99_ms", 9))
+                          ) if "ttft_p50_ms" in row else ""
+        print(f"{key:<18}{row['output_tok_s']:>11.0f}{row['vs_offline']:>11.2f}{latency}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""The ``serve``, ``complete`` and ``chat`` subcommands of ``hookllm``.
+
+``serve`` takes every engine flag from ``EngineArgs.add_cli_args`` (generated from
+``EngineConfig``). ``complete`` and ``chat`` are small clients of a running server that print
+tokens as they arrive; they use only the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+from hookllm.arg_utils import EngineArgs
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="run an OpenAI-compatible HTTP server",
+                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="model folder (same as --model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback only by default)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", action="append", dest="served_model_names", metavar="NAME",
+                       help="model name(s) clients use (repeatable; default: the model path)")
+    serve.add_argument("--api-key", default=os.environ.get("HOOKLLM_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' (default: env HOOKLLM_API_KEY)")
+    serve.add_argument("--allowed-local-media-path", type=Path, metavar="DIR",
+                       help="let chat image_url parts read file:// URLs inside DIR")
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="seconds SIGTERM waits for in-flight requests before aborting them")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    EngineArgs.add_cli_args(serve)
+
+    for name, help_ in (("complete", "stream a completion from a running server"),
+                        ("chat", "chat with a running server (interactive without a message)")):
+        client = subparsers.add_parser(name, help=help_, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        client.add_argument("text", nargs="?" if name == "chat" else None, metavar="PROMPT" if name == "complete"
+                            else "MESSAGE")
+        client.add_argument("--url", default=DEFAULT_URL, help="the server's base URL")
+        client.add_argument("--model", default=None, help="model name (default: the server's first)")
+        client.add_argument("--api-key", default=os.environ.get("HOOKLLM_API_KEY"))
+        client.add_argument("--max-tokens", type=int, default=256)
+        client.add_argument("--temperature", type=float, default=0.0)
+        if name == "chat":
+            client.add_argument("--system", default=None, help="a system message")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from hookllm.async_engine import AsyncLLM
+    from hookllm.server.app import ServerSettings, build_app
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"two models given: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
+    media = args.allowed_local_media_path
+    if media is not None and not media.is_dir():
+        raise ValueError(f"--allowed-local-media-path {media} is not a folder")
+    engine = AsyncLLM.from_engine_config(EngineArgs.from_cli_args(args).create_engine_config())
+    settings = ServerSettings(served_model_names=args.served_model_names or [args.model or engine.config.model],
+                              api_key=args.api_key or None,
+                              allowed_local_media_path=media.resolve() if media is not None else None)
+    # uvicorn re-raises the SIGTERM/SIGINT it caught once it has shut down: end with status 0
+    # then (a clean stop, not a crash) instead of the default handlers' kill or traceback.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _exit_after_shutdown)
+    try:
+        app = build_app(engine, settings)
+        # uvicorn handles SIGINT/SIGTERM: stop accepting, let requests finish for up to
+        # --shutdown-timeout, then the app's lifespan shuts the engine down (aborting the rest).
+        uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                      timeout_graceful_shutdown=args.shutdown_timeout)).run()
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _exit_after_shutdown(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _post_stream(args: argparse.Namespace, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """POST ``body`` with ``stream: true`` and yield each server-sent event's JSON."""
+    headers = {"Content-Type": "application/json"}
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    if args.model:
+        body["model"] = args.model
+    request = urllib.request.Request(args.url.rstrip("/") + path, json.dumps({**body, "stream": True}).encode(),
+                                     headers)
+    try:
+        with urllib.request.urlopen(request) as response:
+            for line in response:
+                line = line.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    raise ValueError(f"server error: {event['error']['message']}")
+                yield event
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError):
+            message = str(exc)
+        raise ValueError(f"server answered {exc.code}: {message}") from None
+    except urllib.error.URLError as exc:
+        raise ValueError(f"cannot reach {args.url}: {exc.reason}") from None
+
+
+def run_complete(args: argparse.Namespace) -> int:
+    body = {"prompt": args.text, "max_tokens": args.max_tokens, "temperature": args.temperature}
+    for event in _post_stream(args, "/v1/completions", body):
+        for choice in event["choices"]:
+            print(choice["text"], end="", flush=True)
+    print()
+    return 0
+
+
+def _chat_turn(args: argparse.Namespace, messages: list[dict[str, str]]) -> str:
+    body = {"messages": messages, "max_tokens": args.max_tokens, "temperature": args.temperature}
+    pieces = []
+    for event in _post_stream(args, "/v1/chat/completions", body):
+        for choice in event["choices"]:
+            piece = choice["delta"].get("content") or ""
+            pieces.append(piece)
+            print(piece, end="", flush=True)
+    print()
+    return "".join(pieces)
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    if args.text is not None:
+        messages.append({"role": "user", "content": args.text})
+        _chat_turn(args, messages)
+        return 0
+    while True:  # interactive: one turn per line, until end of input
+        try:
+            line = input("> ")
+        except EOFError:
+            return 0
+        messages.append({"role": "user", "content": line})
+        messages.append({"role": "assistant", "content": _chat_turn(args, messages)})
+
+
+COMMANDS = {"serve": run_serve, "complete": run_complete, "chat": run_chat}
+
+
+def run(args: argparse.Namespace) -> int:
+    return COMMANDS[args.command](args)
+

@@ -1,0 +1,68 @@
+"""Prometheus metrics of one server, in its own ``CollectorRegistry`` (several apps, one process: no clashes)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from hookllm.async_engine import AsyncLLM
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncLLM, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def gauge(name: str, doc: str, read) -> None:
+            # Read at scrape time from the stats snapshot the engine thread publishes after each step.
+            Gauge(name, doc, list(labels), registry=self.registry).labels(**labels).set_function(
+                lambda: read(engine.get_stats()))
+
+        gauge("hookllm:num_requests_running", "Requests in the running batch.", lambda s: s.num_running_reqs)
+        gauge("hookllm:num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting_reqs)
+        gauge("hookllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", lambda s: s.kv_cache_usage)
+        gauge("hookllm:num_used_kv_blocks", "KV-cache blocks in use.", lambda s: s.num_used_blocks)
+        gauge("hookllm:num_kv_blocks", "KV-cache blocks in all.", lambda s: s.num_blocks)
+        self.prompt_tokens = Counter("hookllm:prompt_tokens", "Prompt tokens of admitted requests.",
+                                     list(labels), registry=self.registry).labels(**labels)
+        self.generation_tokens = Counter("hookllm:generation_tokens", "Generated tokens.",
+                                         list(labels), registry=self.registry).labels(**labels)
+        self.ttft = Histogram("hookllm:time_to_first_token_seconds", "Time from arrival to the first token.",
+                              list(labels), buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)
+        self.tpot = Histogram("hookllm:time_per_output_token_seconds", "Time between output tokens.",
+                              list(labels), buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)
+        self._finished = Counter("hookllm:request_success", "Finished requests by finish reason "
+                                 "(stop, length, abort, error).", ["model_name", "finished_reason"],
+                                 registry=self.registry)
+        self._model_name = model_name
+
+    def request_finished(self, reason: str) -> None:
+        self._finished.labels(model_name=self._model_name, finished_reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """One request's token timings: the first token feeds TTFT, each later one TPOT."""
+
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int):
+        self.metrics = metrics
+        self.arrival = self.last = time.perf_counter()
+        self.num_tokens = 0
+        metrics.prompt_tokens.inc(num_prompt_tokens)
+
+    def tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.perf_counter()
+        if self.num_tokens == 0:
+            self.metrics.ttft.observe(now - self.arrival)
+        else:
+            self.metrics.tpot.observe((now - self.last) / count)
+        self.num_tokens += count
+        self.last = now
+        self.metrics.generation_tokens.inc(count)

@@ -1,0 +1,119 @@
+"""AsyncLLM on its own and the app in-process: deltas, bad input, aborts, a plugin failing mid-step."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import httpx
+import openai
+import pytest
+
+from hookllm import EngineConfig, LLMEngine, SamplingParams, hookimpl
+from hookllm.async_engine import AsyncLLM, EngineDeadError, EngineStepError
+from hookllm.plugins.manager import PluginInfo, PluginManager, discover_plugins
+from hookllm.server.app import ServerSettings, build_app
+
+
+@hookimpl
+def process_logits(logits, batch):
+    for request in batch.sampling_requests:
+        if request.sampling_params.extra_args.get("explode"):
+            raise RuntimeError("boom")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    """An AsyncLLM whose active plugins include one that raises for requests asking it to."""
+    plugins = discover_plugins()
+    module = types.ModuleType("boom")
+    module.process_logits = process_logits
+    plugins["boom"] = PluginInfo("boom", module)
+    config = EngineConfig(str(tiny_llama_dir), plugins=["boom"], device="cpu", dtype="float32", num_kv_blocks=32)
+    engine = AsyncLLM(LLMEngine(config, PluginManager(plugins)))
+    yield engine
+    engine.shutdown()
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
+
+
+async def collect(engine: AsyncLLM, prompt, params) -> tuple[str, list[int], list]:
+    text, ids, outputs = "", [], []
+    async for output in engine.generate(prompt, params):
+        outputs.append(output)
+        text += output.outputs[0].text
+        ids += output.outputs[0].token_ids
+    return text, ids, outputs
+
+
+def test_generate_yields_deltas_that_join_to_the_offline_output(engine, make_llm):
+    expected = make_llm(num_kv_blocks=32).generate(["Hello", "Bye now"], greedy(10))
+
+    async def both() -> list:
+        return await asyncio.gather(collect(engine, "Hello", greedy(10)), collect(engine, "Bye now", greedy(10)))
+
+    results = asyncio.run(asyncio.wait_for(both(), 30))
+    for (text, ids, outputs), offline in zip(results, expected):
+        assert (text, ids) == (offline.outputs[0].text, offline.outputs[0].token_ids)
+        assert all(len(o.outputs[0].token_ids) == 1 for o in outputs)  # one token per delta
+        assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+
+
+def test_bad_input_raises_value_error_to_the_caller(engine):
+    with pytest.raises(ValueError, match="max_model_len"):
+        asyncio.run(collect(engine, [5] * 10_000, greedy(4)))
+    assert engine.get_stats().num_used_blocks == 0
+
+
+def test_cancelled_consumer_aborts_its_request_at_once(engine):
+    async def cancel_after_first_token() -> None:
+        async def consume() -> None:
+            async for _ in engine.generate("story", greedy(200, ignore_eos=True)):
+                started.set()
+        started = asyncio.Event()
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(started.wait(), 10)
+        task.cancel()
+        for _ in range(200):  # the abort runs before the engine's next step
+            if engine.get_stats().num_used_blocks == 0:
+                return
+            await asyncio.sleep(0.01)
+
+    asyncio.run(cancel_after_first_token())
+    assert (engine.get_stats().num_running_reqs, engine.get_stats().num_used_blocks) == (0, 0)
+
+
+def test_a_plugin_raising_mid_step_fails_its_request_and_the_engine_serves_on(engine, make_llm):
+    expected = make_llm(num_kv_blocks=32).generate("Hello", greedy(6))[0].outputs[0].text
+    with pytest.raises(EngineStepError, match="boom"):
+        asyncio.run(collect(engine, "Hello", greedy(6, extra_args={"explode": True})))
+    assert engine.get_stats().num_used_blocks == 0
+    assert asyncio.run(collect(engine, "Hello", greedy(6)))[0] == expected
+
+
+def test_a_plugin_raising_mid_step_is_a_500_through_the_server(engine, make_llm):
+    expected = make_llm(num_kv_blocks=32).generate("Hello", greedy(6))[0].outputs[0].text
+
+    async def run() -> str:
+        app = build_app(engine, ServerSettings(served_model_names=["tiny"]))
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
+        async with openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="x", http_client=http,
+                                      max_retries=0) as client:
+            with pytest.raises(openai.InternalServerError, match="boom"):
+                await client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0,
+                                                extra_body={"extra_args": {"explode": True}})
+            response = await client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0)
+            return response.choices[0].text
+
+    assert asyncio.run(asyncio.wait_for(run(), 30)) == expected
+
+
+def test_shutdown_stops_the_thread_and_refuses_new_requests(tiny_llama_dir):
+    engine = AsyncLLM.from_engine_config(EngineConfig(str(tiny_llama_dir), device="cpu", dtype="float32",
+                                                      num_kv_blocks=8))
+    engine.shutdown()
+    assert not engine._thread.is_alive()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(collect(engine, "Hello", greedy(2)))
