@@ -135,11 +135,11 @@ class LLMEngine:
         """Resolve what needs the tokenizer or the plugins (bad words' tokens; extra_args keys of
         inactive plugins warn). Returns the request's own copy: the user's object is not changed."""
         inactive = self._inactive_plugin_options()
-        for key in params.extra_args:
-            if key in inactive:
-                warnings.warn(f"request {request_id}: extra_args key {key!r} belongs to plugin {inactive[key]!r}, "
-                              f"which is not active; select it with --plugin {inactive[key]} / "
-                              f"LLM(plugins=[{inactive[key]!r}])", stacklevel=3)
+        for key, value in params.extra_args.items():
+            if key in inactive and value != inactive[key][1]:  # its default is what the CLI passes unasked
+                name = inactive[key][0]
+                warnings.warn(f"request {request_id}: extra_args key {key!r} belongs to plugin {name!r}, which is "
+                              f"not active; select it with --plugin {name} / LLM(plugins=[{name!r}])", stacklevel=3)
         if not params.bad_words:
             return params
         if self.tokenizer is None:
@@ -155,8 +155,8 @@ class LLMEngine:
         params.bad_words_token_ids = spellings
         return params
 
-    def _inactive_plugin_options(self) -> dict[str, str]:
-        """The ``add_cli_options`` dests of installed plugins that are not active, by plugin."""
+    def _inactive_plugin_options(self) -> dict[str, tuple[str, Any]]:
+        """The ``add_cli_options`` dests of installed plugins that are not active: (plugin, default)."""
         if not hasattr(self, "_inactive_options"):
             import argparse
 
@@ -167,7 +167,7 @@ class LLMEngine:
                     continue
                 parser = argparse.ArgumentParser(add_help=False)
                 info.module.add_cli_options(parser=parser)
-                self._inactive_options.update({action.dest: info.name for action in parser._actions})
+                self._inactive_options.update({action.dest: (info.name, action.default) for action in parser._actions})
         return self._inactive_options
 
     def _make_request(self, prompt: Any, params: SamplingParams, request_id: str) -> Request:
