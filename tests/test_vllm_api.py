@@ -170,3 +170,83 @@ def test_extra_args_of_an_inactive_plugin_warn_naming_it(llm, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         llm.generate([PROMPT], SamplingParams(max_tokens=1, extra_args={"banned_token_ids": None}), use_tqdm=False)
+
+
+# The command line.
+
+from hookllm import cli  # noqa: E402
+
+
+def test_version_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"hookllm {hookllm.__version__}"
+
+
+def test_python_dash_m_runs_the_cli():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "hookllm", "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == f"hookllm {hookllm.__version__}"
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    assert "(default: 128)" in capsys.readouterr().out
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if the CLI would load a model."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(hookllm, "LLM", refuse)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--image", "/no/such.png", "hi"], "no such image file: /no/such.png"),
+    (["--temperature", "nan", "hi"], "temperature must be a finite number"),
+])
+def test_arguments_are_checked_before_the_model_loads(no_model_load, capsys, argv, message):
+    assert cli.main(["generate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_missing_gpu_is_a_one_line_error(no_model_load, capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert cli.main(["generate", "--device", "cuda", "hi"]) == 2
+    assert capsys.readouterr().err == "hookllm: error: --device cuda: no CUDA GPU is available (use --device cpu)\n"
+
+
+def test_ctrl_c_exits_130(monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hookllm, "LLM", interrupted)
+    assert cli.main(["generate", "--device", "cpu", "hi"]) == 130
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_generate_streams_a_stdin_prompt_as_tokens_arrive(tiny_llama_dir, llm, monkeypatch):
+    import io
+    import sys
+
+    writes: list[str] = []
+
+    class Recorder(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+    prompt = "Paris is the capital of"
+    expected = llm.generate(prompt, testing.greedy(8), use_tqdm=False)[0].outputs[0].text
+    monkeypatch.setattr(sys, "stdin", io.StringIO(prompt))
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    argv = ["generate", "--model", str(tiny_llama_dir), "--max-tokens", "8", "--no-chat", "--device", "cpu", "-"]
+    assert cli.main(argv) == 0
+    assert "".join(writes) == expected + "\n"
+    assert len([w for w in writes if w.strip()]) > 2  # several pieces, not one answer at the end
