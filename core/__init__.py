@@ -1,13 +1,16 @@
 """hookllm: a vLLM-style LLM inference engine whose model support is made of pluggy plugins."""
 
 from hookllm.plugins.hookspecs import hookimpl
-from hookllm.sampling_params import SamplingParams
-from hookllm.outputs import CompletionOutput, RequestOutput
+from hookllm.sampling_params import RequestOutputKind, SamplingParams
+from hookllm.inputs import TextPrompt, TokensPrompt
+from hookllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hookllm.config import EngineConfig
+from hookllm.arg_utils import EngineArgs
 from hookllm.engine import LLMEngine
 from hookllm.llm import LLM
 from hookllm.model_runner import SamplerContractError
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "hookimpl",
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "EngineConfig", "SamplingParams", "RequestOutputKind", "TextPrompt",
+           "TokensPrompt", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "hookimpl",
            "SamplerContractError"]

@@ -1,4 +1,5 @@
-"""The ``hookllm`` command: ``generate``, ``plugins``, and ``serve`` / ``complete`` / ``chat`` (hookllm.server)."""
+"""The ``hookllm`` command (also ``python -m hookllm``): ``generate``, ``plugins``, and ``serve`` /
+``complete`` / ``chat`` (hookllm.server)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,21 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from hookllm import __version__
 from hookllm.arg_utils import EngineArgs
+from hookllm.utils import FlexibleArgumentParser
 
 
 def _generate_parser(subparsers: argparse._SubParsersAction, plugin_manager) -> None:
     p = subparsers.add_parser("generate", help="generate text for one or more prompts",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="a prompt; - reads one from stdin")
     p.add_argument("--image", action="append", default=[], dest="images", metavar="PATH",
                    help="attach an image file (repeatable, in order); an image plugin renders it")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
     p.add_argument("--no-chat", action="store_true", help="send prompts raw, without the chat template")
     EngineArgs.add_cli_args(p)
     core_options = {action.dest for action in p._actions}
@@ -30,34 +33,75 @@ def _generate_parser(subparsers: argparse._SubParsersAction, plugin_manager) -> 
     p.set_defaults(plugin_options=[a.dest for a in p._actions if a.dest not in core_options])
 
 
+def _check_device(device: str) -> None:
+    """Fail before the model loads when the asked-for GPU is not there."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA GPU is available (use --device cpu)")
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     from hookllm import LLM, SamplingParams
 
+    # Everything that can be checked without the model is checked first: loading takes a while.
     missing = [path for path in args.images if not Path(path).is_file()]
     if missing:
         raise ValueError(f"no such image file: {', '.join(missing)}")
-    engine_config = EngineArgs.from_cli_args(args).create_engine_config()
-    llm = LLM(**dataclasses.asdict(engine_config))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, extra_args={name: getattr(args, name) for name in args.plugin_options})
+    engine_config = EngineArgs.from_cli_args(args).create_engine_config()
+    _check_device(engine_config.device)
+    prompts = [sys.stdin.read() if prompt == "-" else prompt for prompt in args.prompts]
+    llm = LLM(**dataclasses.asdict(engine_config))
     tokenizer = llm.tokenizer
     use_chat = not args.no_chat and tokenizer is not None and getattr(tokenizer, "chat_template", None)
-    many = len(args.prompts) > 1
     if use_chat:
+        from hookllm.chat import render_chat
+
         # Attachments go first, as in most chat UIs; a plugin renders each into its placeholder.
         attachments = [{"type": "image", "image": path} for path in args.images]
-        conversations = [[{"role": "user", "content": attachments + [{"type": "text", "text": prompt}]}]
-                         for prompt in args.prompts]
-        outputs = llm.chat(conversations, params, use_tqdm=many)
+        requests = [render_chat(llm.engine, [{"role": "user", "content": attachments + [{"type": "text", "text": p}]}],
+                                None, True, False, None, None) for p in prompts]
     else:
-        prompts = [{"prompt": p, "multi_modal_data": {"image": args.images}} if args.images else p
-                   for p in args.prompts]
-        outputs = llm.generate(prompts, params, use_tqdm=many)
-    for prompt, output in zip(args.prompts, outputs):
-        if many:
-            print(f"--- {prompt}")
-        print(output.outputs[0].text)
+        requests = [{"prompt": p, "multi_modal_data": {"image": args.images}} if args.images else p for p in prompts]
+    _stream(llm, requests, params, prompts if len(prompts) > 1 else None)
     return 0
+
+
+def _stream(llm, requests: list, params, headings: list[str] | None) -> None:
+    """Print each answer as its tokens arrive (delta outputs), in prompt order: the first
+    unfinished answer streams; later ones are buffered until it ends."""
+    from hookllm.sampling_params import RequestOutputKind
+
+    engine = llm.engine
+    params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+    request_ids: list[str] = []
+    try:
+        for request in requests:
+            request_ids.append(engine.add_request(llm._next_request_id(), request, params))
+        buffered: dict[str, list[str]] = {request_id: [] for request_id in request_ids}
+        finished: set[str] = set()
+        head, head_started = 0, False
+        while head < len(request_ids):
+            for output in engine.step() if engine.has_unfinished_requests() else []:
+                buffered[output.request_id].append(output.outputs[0].text)
+                if output.finished:
+                    finished.add(output.request_id)
+            while head < len(request_ids):
+                request_id = request_ids[head]
+                if headings is not None and not head_started:
+                    print(f"--- {headings[head]}")
+                head_started = True
+                print("".join(buffered[request_id]), end="", flush=True)
+                buffered[request_id].clear()
+                if request_id not in finished:
+                    break
+                print()
+                head, head_started = head + 1, False
+    except BaseException:
+        engine.abort_request(request_ids)
+        raise
 
 
 def _run_plugins(args: argparse.Namespace, plugin_manager) -> int:
@@ -91,7 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hookllm.plugins.manager import PluginManager
 
     plugin_manager = PluginManager()
-    parser = argparse.ArgumentParser(prog="hookllm", description="LLM inference with pluggable models.")
+    parser = FlexibleArgumentParser(prog="hookllm", description="LLM inference with pluggable models.",
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _generate_parser(subparsers, plugin_manager)
     plugins = subparsers.add_parser("plugins", help="list installed plugins, their hooks and load errors")
@@ -109,6 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"hookllm: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("hookllm: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, as shells report it
 
 
 if __name__ == "__main__":

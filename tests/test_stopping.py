@@ -84,4 +84,4 @@ def test_logprobs_come_from_the_processed_logits(llm):
     out = llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2))[0].outputs[0]
     assert len(out.logprobs) == 3
     for token_id, entry in zip(out.token_ids, out.logprobs):
-        assert token_id in entry and max(entry.values()) == entry[token_id] <= 0.0
+        assert token_id in entry and max(v.logprob for v in entry.values()) == entry[token_id].logprob <= 0.0

@@ -1,0 +1,7 @@
+"""``python -m hookllm``: the ``hookllm`` command."""
+
+import sys
+
+from hookllm.cli import main
+
+sys.exit(main())

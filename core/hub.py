@@ -1,0 +1,36 @@
+"""Models named by hub id ("Qwen/Qwen3-0.6B"): resolved to a local snapshot folder.
+
+An existing folder is used as it is. Anything else that looks like ``org/name`` goes to
+``huggingface_hub.snapshot_download``: downloaded when online, read from the local cache
+(``HF_HUB_CACHE``) under ``HF_HUB_OFFLINE=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def resolve_model_path(model: str) -> str:
+    """A local folder for ``model``: the folder itself, or the hub id's snapshot. One-line
+    ``ValueError`` when it is neither a folder nor an available hub id."""
+    if Path(model).exists() or not HUB_ID.match(model):
+        return model
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    # Read the cache location now (huggingface_hub reads the variable once, when imported).
+    cache_dir = os.environ.get("HF_HUB_CACHE") or None
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE")
+    try:
+        return snapshot_download(model, cache_dir=cache_dir, local_files_only=offline)
+    except LocalEntryNotFoundError:
+        raise ValueError(f"model {model!r} is neither a local folder nor in the hub cache "
+                         f"({cache_dir or constants.HF_HUB_CACHE}), and downloading is off (HF_HUB_OFFLINE=1)"
+                         if offline else f"model {model!r}: could not download it from the hub, "
+                         "and it is not in the local cache") from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"model {model!r} is neither a local folder nor a hub repository") from None
