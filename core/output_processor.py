@@ -77,4 +77,4 @@ class OutputProcessor:
             stop_reason=request.stop_reason, logprobs=list(logprobs) if logprobs is not None else None,
         )
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
-                             [completion], request.is_finished)
+                             [completion], request.is_finished, num_cached_tokens=request.num_cached_tokens or 0)

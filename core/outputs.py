@@ -22,3 +22,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

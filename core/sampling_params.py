@@ -43,8 +43,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.extra_args = dict(self.extra_args or {})
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         if self.temperature < 0:
