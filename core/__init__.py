@@ -6,8 +6,9 @@ from hookllm.outputs import CompletionOutput, RequestOutput
 from hookllm.config import EngineConfig
 from hookllm.engine import LLMEngine
 from hookllm.llm import LLM
+from hookllm.beam_search import BeamSearchOutput, BeamSearchParams
 from hookllm.model_runner import SamplerContractError
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "hookimpl",
-           "SamplerContractError"]
+           "SamplerContractError", "BeamSearchParams", "BeamSearchOutput"]
