@@ -29,6 +29,9 @@ def reference_beams(model, prompt: list[int], k: int, max_tokens: int, eos: int 
 @pytest.mark.parametrize("with_eos", [False, True])
 def test_beam_search_matches_transformers(make_llm, tiny_llama_reference, k, with_eos):
     llm = make_llm(num_kv_blocks=64)
+    copies = []
+    copy_blocks = llm.engine.worker.copy_blocks
+    llm.engine.worker.copy_blocks = lambda pairs: (copies.extend(pairs), copy_blocks(pairs))
     ended_early = False
     for prompt in testing.random_prompts(2, 320, min_len=5, max_len=30, seed=k):
         eos = None
@@ -43,4 +46,6 @@ def test_beam_search_matches_transformers(make_llm, tiny_llama_reference, k, wit
         assert [s.score for s in ours] == pytest.approx([score for _, score in theirs], abs=1e-4)
         ended_early |= any(len(s.tokens) - len(prompt) < 10 for s in ours)
     assert ended_early == with_eos
+    # Beams fork on shared blocks: each partial last block written by two beams is copied first.
+    assert bool(copies) == (k > 1)
     testing.assert_all_blocks_free(llm)
