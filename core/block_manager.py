@@ -104,6 +104,14 @@ class BlockManager:
                 self.cached[block_hash] = block.block_id
         request.num_registered_blocks = full
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (benchmarks compare cold runs); only while no request holds blocks."""
+        if len(self.free_block_ids) != self.num_blocks:
+            raise RuntimeError("reset_prefix_cache needs every block free")
+        for block_id in self.cached.values():
+            self.blocks[block_id].hash = None
+        self.cached.clear()
+
     # -- allocation ---------------------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
