@@ -8,9 +8,10 @@ from hookllm.config import EngineConfig
 from hookllm.arg_utils import EngineArgs
 from hookllm.engine import LLMEngine
 from hookllm.llm import LLM
+from hookllm.beam_search import BeamSearchOutput, BeamSearchParams
 from hookllm.model_runner import SamplerContractError
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "EngineConfig", "SamplingParams", "RequestOutputKind", "TextPrompt",
            "TokensPrompt", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "hookimpl",
-           "SamplerContractError"]
+           "SamplerContractError", "BeamSearchParams", "BeamSearchOutput"]

@@ -1,8 +1,17 @@
-"""The paged KV cache's bookkeeping: which fixed-size blocks each request owns."""
+"""The paged KV cache's bookkeeping: which fixed-size blocks each request holds.
+
+Blocks are reference counted, so requests can share them: a prefix-cache hit or a fork
+(beam search) adds a reference instead of a copy. A full block whose tokens are computed gets
+a content hash (its parent block's hash, its token ids, the content hashes of the images whose
+placeholder rows fall in it, and the request's ``cache_salt``); freed, it stays findable by that
+hash until it is reused, least recently freed first. Only a block held by one request is ever
+written: a request about to write into a block it shares (the partial last block of a fork)
+gets a private copy first (copy-on-write), which the worker makes before the step's forward.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 import numpy as np
 
@@ -10,18 +19,25 @@ from hookllm.request import Request
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count")
+    __slots__ = ("block_id", "ref_count", "hash")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
+        self.hash: int | None = None  # set while the block is findable in the prefix cache
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        # Blocks no request holds, least recently freed first: a cached one among them is evicted
+        # (loses its hash) only when it is taken for new tokens.
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        # (source, destination) block pairs the worker must copy before the next step runs.
+        self.pending_copies: list[tuple[int, int]] = []
         # Each request holding blocks owns a row mirroring its block_ids, so a step's block
         # tables are one numpy gather instead of being rebuilt from Python lists.
         self.table = np.zeros((0, 0), dtype=np.int32)
@@ -33,31 +49,140 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached ones included: they are evicted on demand)."""
         return len(self.free_block_ids)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for block_id in self.free_block_ids if self.blocks[block_id].hash is not None)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Grow ``request.block_ids`` to hold its computed tokens plus ``num_new_tokens``.
+    # -- prefix cache -------------------------------------------------------------------------
 
-        Returns False, allocating nothing, when too few blocks are free.
+    def block_hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """The hashes of the request's first ``num_blocks`` full blocks (extended lazily)."""
+        hashes, size = request.block_hashes, self.block_size
+        tokens = request.all_token_ids
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            start, end = i * size, (i + 1) * size
+            # Image rows share one placeholder id: the image's content hash tells them apart.
+            images = tuple((item.content_hash, item.offset - start) for item in request.mm_items
+                           if item.offset < end and item.offset + item.length > start)
+            parent = hashes[-1] if hashes else ("salt", request.cache_salt)
+            hashes.append(hash((parent, tuple(tokens[start:end]), images)))
+        return hashes[:num_blocks]
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids of the longest cached run of the request's full blocks from its start.
+
+        The last known token is never covered, so the request still computes a row to sample from.
         """
-        needed = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
-        if needed > len(self.free_block_ids):
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for block_hash in self.block_hashes(request, (len(request.all_token_ids) - 1) // self.block_size):
+            block_id = self.cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Make the request's blocks full of its first ``num_tokens`` (known) tokens findable."""
+        full = min(num_tokens, len(request.all_token_ids)) // self.block_size
+        if full <= request.num_registered_blocks:
+            return
+        for i, block_hash in enumerate(self.block_hashes(request, full)[request.num_registered_blocks:],
+                                       request.num_registered_blocks):
+            block = self.blocks[request.block_ids[i]]
+            # Another request may have computed the same content first: its block stays the cached one.
+            if block.hash is None and block_hash not in self.cached:
+                block.hash = block_hash
+                self.cached[block_hash] = block.block_id
+        request.num_registered_blocks = full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (benchmarks compare cold runs); only while no request holds blocks."""
+        if len(self.free_block_ids) != self.num_blocks:
+            raise RuntimeError("reset_prefix_cache needs every block free")
+        for block_id in self.cached.values():
+            self.blocks[block_id].hash = None
+        self.cached.clear()
+
+    # -- allocation ---------------------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Grow ``request.block_ids`` to hold its computed tokens, ``cached_blocks`` (a prefix-cache
+        hit, taken first, whose tokens the caller then counts as computed) and ``num_new_tokens``.
+
+        Returns False, changing nothing, when too few blocks are free.
+        """
+        size = self.block_size
+        computed = request.num_computed_tokens + len(cached_blocks) * size
+        total_blocks = self.blocks_needed(computed + num_new_tokens)
+        held = len(request.block_ids) + len(cached_blocks)
+        # Blocks this step writes that another request also holds: each needs a private copy.
+        shared = [i for i in range(computed // size, min(len(request.block_ids), total_blocks))
+                  if self.blocks[request.block_ids[i]].ref_count > 1]
+        revived = sum(1 for block_id in cached_blocks if self.blocks[block_id].ref_count == 0)
+        if max(total_blocks - held, 0) + len(shared) + revived > len(self.free_block_ids):
             return False
-        if needed <= 0:
-            return True
-        first = len(request.block_ids)
-        for _ in range(needed):
-            block = self.blocks[self.free_block_ids.popleft()]
-            block.ref_count = 1
-            request.block_ids.append(block.block_id)
+        first_changed = shared[0] if shared else len(request.block_ids)
+        if cached_blocks:  # only a request holding no blocks looks up the cache
+            for block_id in cached_blocks:
+                self._take(block_id)
+            request.block_ids += cached_blocks
+            request.num_registered_blocks = len(request.block_ids)
+        for i in shared:
+            source = self.blocks[request.block_ids[i]]
+            source.ref_count -= 1
+            copy = self._allocate_free()
+            self.pending_copies.append((source.block_id, copy))
+            request.block_ids[i] = copy
+        for _ in range(total_blocks - len(request.block_ids)):
+            request.block_ids.append(self._allocate_free())
+        self._write_row(request, first_changed)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, computed + num_new_tokens)
+        return True
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Let ``child`` share every block ``parent`` holds (it continues the parent's tokens)."""
+        for block_id in parent.block_ids:
+            self.blocks[block_id].ref_count += 1
+        child.block_ids = list(parent.block_ids)
+        child.num_registered_blocks = parent.num_registered_blocks
+        self._write_row(child, 0)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def _take(self, block_id: int) -> None:
+        """Add a reference to a cached block (taking it off the free list if nobody held it)."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_block_ids[block_id]
+        block.ref_count += 1
+
+    def _allocate_free(self) -> int:
+        """A free block for new tokens, least recently freed first, evicted from the cache."""
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            del self.cached[block.hash]
+            block.hash = None
+        block.ref_count = 1
+        return block_id
+
+    def _write_row(self, request: Request, first: int) -> None:
         if request.block_table_row is None:
             request.block_table_row = self._take_row()
         self._fit_columns(len(request.block_ids))
         self.table[request.block_table_row, first:len(request.block_ids)] = request.block_ids[first:]
-        return True
 
     def block_tables(self, requests: list[Request]) -> np.ndarray:
         """``[len(requests), max blocks among them]`` int32: each request's block ids, 0-padded."""
@@ -79,13 +204,17 @@ class BlockManager:
             self.table = np.pad(self.table, ((0, 0), (0, extra)))
 
     def free(self, request: Request) -> None:
-        """Release every block of ``request`` (finished, aborted or preempted)."""
+        """Drop the request's reference to each of its blocks (finished, aborted or preempted).
+
+        Its last blocks are freed first, so they are evicted before the prefix others may share.
+        """
         for block_id in reversed(request.block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_block_ids.append(block_id)
+                self.free_block_ids[block_id] = None
         request.block_ids = []
+        request.num_registered_blocks = 0
         if request.block_table_row is not None:
             self.table[request.block_table_row] = 0
             self.free_rows.append(request.block_table_row)

@@ -113,6 +113,7 @@ class EngineConfig:
     # Schedule step n+1 while the device runs step n (outputs lag one step).
     async_scheduling: bool | None = _option(None, "schedule the next step while the device runs this one (default: on for CUDA)")
     seed: int = _option(0, "seed of the engine's sampling generator")
+    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of prompt prefixes already computed (automatic prefix caching)")
     tokenizer: str | None = _option(None, "tokenizer folder (default: the model's)")
     tensor_parallel_size: int = _option(1, "GPUs (one worker process each) the model's layers are split across")
     load_format: str = _option("auto", "auto or safetensors: read the checkpoint; dummy: random weights (benchmarks)",

@@ -15,7 +15,7 @@ from hookllm.multiproc_executor import MultiprocWorkers
 from hookllm.output_processor import OutputProcessor
 from hookllm.outputs import RequestOutput
 from hookllm.plugins.manager import PluginManager
-from hookllm.request import Request, RequestStatus
+from hookllm.request import ParallelGroup, Request, RequestStatus
 from hookllm.sampling_params import SamplingParams
 from hookllm.scheduler import Scheduler, SchedulerStats
 from hookllm.scheduler_output import SchedulerOutput
@@ -64,7 +64,7 @@ class LLMEngine:
         # One rank: the worker lives here. Several: one process per rank, fed the same snapshots.
         self.worker = (Worker(config, self.model_config, self.hooks, self.plugin_manager.registry)
                        if config.tensor_parallel_size == 1 else MultiprocWorkers(config))
-        self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    eos_token_ids(self.model_config, self.tokenizer))
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -73,6 +73,9 @@ class LLMEngine:
         device = resolve_device(config.device)
         async_scheduling = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
         self.max_in_flight = 1 if async_scheduling else 0
+        # Requests with n > 1 by id, and each child's parent.
+        self.parallel: dict[str, ParallelGroup] = {}
+        self.parent_of: dict[str, str] = {}
 
     @classmethod
     def from_engine_args(cls, engine_args: "EngineArgs") -> "LLMEngine":
@@ -126,13 +129,64 @@ class LLMEngine:
                 f"({', '.join(sorted(request.multi_modal_data))}); select one with --plugin"
             )
         self._check_limits(request)
-        self.output_processor.add_request(request)
-        self.scheduler.add(request)
+        for child in self._fan_out(request):
+            self.output_processor.add_request(child)
+            self.scheduler.add(child)
         return request_id
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` names an unfinished request."""
-        return request_id in self.scheduler.requests
+        return request_id in self.scheduler.requests or request_id in self.parallel
+
+    def _fan_out(self, request: Request) -> list[Request]:
+        """The requests to queue: the request itself, or its ``n`` children (see ParallelGroup),
+        after checking the children ids are free and the n children fit the cache together."""
+        params = request.sampling_params
+        if params.n == 1:
+            return [request]
+        rid = request.request_id
+        group = ParallelGroup(rid, params.n, params.output_kind)
+        taken = [child_id for child_id in group.child_ids if self.has_request(child_id)]
+        if taken:
+            raise ValueError(f"request {rid}: n={params.n} needs the child ids {taken} that are in use")
+        manager = self.block_manager
+        shared = (request.num_prompt_tokens // manager.block_size) if manager.enable_prefix_caching else 0
+        needed = shared + params.n * (manager.blocks_needed(request.max_num_tokens) - shared)
+        if needed > manager.num_blocks:
+            raise ValueError(
+                f"request {rid}: n={params.n} completions of up to {request.max_num_tokens} tokens need {needed} KV "
+                f"blocks together, but the cache has only {manager.num_blocks}"
+            )
+        children = []
+        for i, child_id in enumerate(group.child_ids):
+            # Child i draws from seed + i: the same n completions alone or in any batch.
+            child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            child = Request(child_id, request.prompt_token_ids, child_params, request.prompt,
+                            request.multi_modal_data, request.mm_items, request.cache_salt)
+            child.max_num_tokens = request.max_num_tokens
+            children.append(child)
+            self.parent_of[child_id] = rid
+        self.parallel[rid] = group
+        return children
+
+    def fork_request(self, parent_id: str, request_id: str, token_ids: list[int], params: SamplingParams) -> str:
+        """Queue a request continuing the computed tokens of ``parent_id`` (a finished request whose
+        ``retain_blocks`` was set) with ``token_ids``, sharing the parent's KV blocks (beam search)."""
+        parent = self.scheduler.retained[parent_id]
+        if self.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        child = Request(request_id, parent.all_token_ids[:parent.num_computed_tokens] + list(token_ids), params,
+                        multi_modal_data=parent.multi_modal_data, mm_items=parent.mm_items,
+                        cache_salt=parent.cache_salt)
+        child.retain_blocks = parent.retain_blocks
+        self._check_limits(child)
+        self.output_processor.add_request(child)
+        self.scheduler.fork(parent_id, child)
+        return request_id
+
+    def release_request(self, request_id: str) -> None:
+        """Free the KV blocks a finished request kept for forks."""
+        self.scheduler.release(request_id)
 
     def _check_params(self, request_id: str, params: SamplingParams) -> SamplingParams:
         """Resolve what needs the tokenizer or the plugins (bad words' tokens; extra_args keys of
@@ -181,7 +235,7 @@ class LLMEngine:
         if not isinstance(prompt, dict):
             raise ValueError(f"request {request_id}: a prompt is a string, a list of token ids or a dict, got "
                              f"{type(prompt).__name__}")
-        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"}
         if unknown:
             raise ValueError(f"request {request_id}: unknown prompt fields {sorted(unknown)}")
         text = prompt.get("prompt")
@@ -208,7 +262,7 @@ class LLMEngine:
         if vocab is not None and any(t < 0 or t >= vocab for t in token_ids):
             raise ValueError(f"request {request_id}: prompt token ids must be in [0, {vocab})")
         return Request(request_id, token_ids, params, prompt=text,
-                       multi_modal_data=prompt.get("multi_modal_data"))
+                       multi_modal_data=prompt.get("multi_modal_data"), cache_salt=prompt.get("cache_salt"))
 
     def _check_limits(self, request: Request) -> None:
         rid, n = request.request_id, request.num_prompt_tokens
@@ -230,8 +284,11 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests now and free their KV blocks; unknown or finished ids are ignored."""
         for rid in [request_id] if isinstance(request_id, str) else request_id:
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
-            self.output_processor.remove_request(rid)
+            group = self.parallel.pop(rid, None)
+            for child_id in group.child_ids if group is not None else [rid]:
+                self.parent_of.pop(child_id, None)
+                self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
+                self.output_processor.remove_request(child_id)
         self._release_finished_if_idle()
 
     def get_stats(self) -> SchedulerStats:
@@ -278,11 +335,22 @@ class LLMEngine:
             if stop is not None:
                 self.scheduler.stop_on_string(request, stop)
             output = self.output_processor.make_output(request)
+            if output is not None and request.request_id in self.parent_of:
+                output = self._parallel_output(output)
             if output is not None:
                 outputs.append(output)
             if request.is_finished:
                 self.output_processor.remove_request(request.request_id)
         return outputs
+
+    def _parallel_output(self, output: RequestOutput) -> RequestOutput | None:
+        """A child's output as its parent's (n > 1); the group is forgotten once all finish."""
+        parent_id = self.parent_of[output.request_id] if not output.finished else self.parent_of.pop(output.request_id)
+        group = self.parallel[parent_id]
+        merged = group.add(output)
+        if group.finished:
+            del self.parallel[parent_id]
+        return merged
 
     def _release_finished_if_idle(self) -> None:
         """Finished requests reach the worker with the next batch; with none coming, send them now

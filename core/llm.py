@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from hookllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from hookllm.chat import render_chat
 from hookllm.config import EngineConfig
 from hookllm.engine import LLMEngine
@@ -121,6 +122,13 @@ class LLM:
                                continue_final_message, tools, chat_template_kwargs)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search per prompt (vLLM's offline API): each output's ``sequences`` are the
+        ``beam_width`` best beams, best first; beams fork on shared KV blocks."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return [beam_search(self.engine, prompt, params, self._request_counter) for prompt in prompts]
 
     def _next_request_id(self) -> str:
         """A fresh id: never one a user gave the engine directly (those are skipped)."""

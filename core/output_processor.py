@@ -115,7 +115,8 @@ class OutputProcessor:
             finish_reason=request.status.value if request.is_finished else None, stop_reason=request.stop_reason,
         )
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), [completion],
-                             request.is_finished, prompt_logprobs=state.prompt_logprobs, metrics=state.metrics)
+                             request.is_finished, prompt_logprobs=state.prompt_logprobs, metrics=state.metrics,
+                             num_cached_tokens=request.num_cached_tokens or 0)
 
     def _decoded(self, entry: LogprobsEntry, request: Request) -> LogprobsEntry:
         """Fill in each entry token's text (vLLM's ``decoded_token``) unless text is off."""

@@ -72,8 +72,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.extra_args = dict(self.extra_args or {})
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:

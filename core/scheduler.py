@@ -27,6 +27,9 @@ class SchedulerStats:
     num_waiting_reqs: int
     num_used_blocks: int
     num_blocks: int
+    # Prefix caching, in tokens since the engine started: looked up at admission, and found cached.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -46,6 +49,10 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished since the last batch: the runner drops their state when the next batch arrives.
         self.finished_request_ids: list[str] = []
+        # Finished requests that keep their blocks for forks (beam search) until released.
+        self.retained: dict[str, Request] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -57,7 +64,22 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         manager = self.block_manager
         return SchedulerStats(len(self.running), len(self.waiting),
-                              manager.num_blocks - manager.num_free_blocks, manager.num_blocks)
+                              manager.num_blocks - manager.num_free_blocks, manager.num_blocks,
+                              self.prefix_cache_queries, self.prefix_cache_hits)
+
+    def fork(self, parent_id: str, child: Request) -> None:
+        """Queue ``child``, which continues the retained request ``parent_id``'s computed tokens,
+        sharing its KV blocks (a block either later writes into is copied first)."""
+        parent = self.retained[parent_id]
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.block_manager.fork(parent, child)
+        self.add(child)
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks a finished request kept for forks; unknown ids pass."""
+        request = self.retained.pop(request_id, None)
+        if request is not None:
+            self.block_manager.free(request)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -87,9 +109,19 @@ class Scheduler:
         # Admitting new work right after a preemption would only thrash the cache.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.block_manager.allocate_slots(request, num_new):
+            # A request holding no blocks starts from its longest cached prefix (a fork holds its parent's).
+            looks_up = self.block_manager.enable_prefix_caching and not request.block_ids
+            hits = self.block_manager.find_cached_prefix(request) if looks_up else []
+            num_cached = len(hits) * self.block_manager.block_size
+            num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            if not self.block_manager.allocate_slots(request, num_new, hits):
                 break
+            if looks_up:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_cached
+            request.num_computed_tokens += num_cached
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -123,6 +155,7 @@ class Scheduler:
             new_token_ids=new_token_ids,
             sampling_rows=sampling_rows,
             block_tables=self.block_manager.block_tables(scheduled),
+            block_copies=self.block_manager.take_copies(),
             finished_request_ids=finished,
             preempted_request_ids=[r.request_id for r in preempted],
         )
@@ -175,6 +208,9 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         request.status = status
-        self.block_manager.free(request)
+        if request.retain_blocks and status is not RequestStatus.FINISHED_ABORTED:
+            self.retained[request_id] = request
+        else:
+            self.block_manager.free(request)
         if request.num_synced_tokens:
             self.finished_request_ids.append(request_id)

@@ -35,12 +35,15 @@ class SchedulerOutput:
     new_token_ids: list[list[int]]  # output tokens each request has that the runner was not sent
     sampling_rows: list[int]  # indices into request_ids of the requests that sample this step
     block_tables: np.ndarray  # [num scheduled, max blocks] int32
+    # (source, destination) KV blocks to copy before the step runs: copy-on-write of shared blocks.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # the runner drops their state
     preempted_request_ids: list[str] = field(default_factory=list)
 
     @classmethod
     def empty(cls, finished_request_ids: list[str] | None = None) -> "SchedulerOutput":
-        return cls([], [], [], [], [], [], np.zeros((0, 0), dtype=np.int32), finished_request_ids or [])
+        return cls([], [], [], [], [], [], np.zeros((0, 0), dtype=np.int32),
+                   finished_request_ids=finished_request_ids or [])
 
     @property
     def sampling_request_ids(self) -> list[str]:

@@ -134,7 +134,18 @@ class Worker:
             layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def execute(self, scheduler_output: SchedulerOutput, previous: StepOutput | None = None) -> StepOutput | None:
+        if scheduler_output.block_copies:
+            self.copy_blocks(scheduler_output.block_copies)
         return self.runner.execute(scheduler_output, previous)
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each (source, destination) block's K and V, in every layer, one
+        batched index copy per tensor (queued on the device before the step that writes them)."""
+        pairs = torch.tensor(copies, dtype=torch.long).to(self.device, non_blocking=True)
+        for layer in self.attention_layers:
+            for cache in (layer.k_cache, layer.v_cache):
+                cache.index_copy_(0, pairs[:, 1], cache.index_select(0, pairs[:, 0]))
 
     def shutdown(self) -> None:
         """Release the KV cache (the model goes with the last reference to the worker)."""
