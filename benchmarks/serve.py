@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, commit, device_name, now, random_checkpoint, write_result  # noqa: E402
+from common import SHAPES, add_out_argument, commit, device_name, now, random_checkpoint, write_result  # noqa: E402
 from throughput import workload_a  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--engine-args", default="--max-model-len 2112",
                         help="engine flags for the server and the offline run, as one string")
     parser.add_argument("--startup-s", type=float, default=600.0)
-    parser.add_argument("--out", type=Path, default=None, help="folder for the JSON results")
+    add_out_argument(parser)
     args = parser.parse_args()
 
     model = args.model or random_checkpoint(args.shape, Path(args.root))
@@ -157,11 +157,7 @@ def main() -> None:
     results["offline"] = run_offline(model, prompts, max_tokens, args.engine_args)
     for row in results.values():
         row["vs_offline"] = row["output_tok_s"] / results["offline"]["output_tok_s"]
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{name}.json").write_text(json.dumps(payload, indent=2))
-    else:
-        write_result(name, payload)
+    write_result(name, payload, args.out)
     print(f"{'run':<18}{'out tok/s':>11}{'x offline':>11}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>9}  (ms)")
     for key, row in results.items():
         latency = "".join(f"{row[k]:>{w}.1f}" for k, w in (("ttft_p50_ms", 10), ("ttft_p99_ms", 9),

@@ -45,11 +45,6 @@ class _Stream:
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    # Requests with stop strings run "cumulative": a delta must not show text a stop string
-    # may still cut off, so the last (longest stop - 1) characters wait until confirmed.
-    holdback: int = 0
-    sent_text: int = 0
-    sent_tokens: int = 0
 
     def put(self, item: RequestOutput | BaseException) -> None:
         try:
@@ -131,10 +126,9 @@ class AsyncLLM:
         Closing or cancelling the iterator before the request finishes aborts it at once.
         """
         request_id = request_id or f"async-{next(self._ids)}"
-        holdback = max((len(s) for s in params.stop or []), default=1) - 1 if params.stop else 0
-        # Delta outputs are cheapest; stop strings need the full text to hold back what they may cut.
-        params = dataclasses.replace(params, output_kind="cumulative" if holdback else "delta")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), holdback)
+        # Deltas never take text back: the engine holds back what a stop string may still cut.
+        params = dataclasses.replace(params, output_kind="delta")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def add() -> None:
             self.engine.add_request(request_id, prompt, params)
@@ -149,26 +143,10 @@ class AsyncLLM:
                     finished = True
                     raise item
                 finished = item.finished
-                delta = self._delta(stream, item)
-                if delta is not None:
-                    yield delta
+                yield item
         finally:
             if not finished:
                 self.abort(request_id)
-
-    @staticmethod
-    def _delta(stream: _Stream, output: RequestOutput) -> RequestOutput | None:
-        """A cumulative output as the delta since the last one yielded (deltas pass through)."""
-        if not stream.holdback:
-            return output
-        completion = output.outputs[0]
-        end = len(completion.text) if output.finished else max(stream.sent_text, len(completion.text) - stream.holdback)
-        text = completion.text[stream.sent_text:end]
-        token_ids = completion.token_ids[stream.sent_tokens:]
-        logprobs = completion.logprobs[stream.sent_tokens:] if completion.logprobs is not None else None
-        stream.sent_text, stream.sent_tokens = end, len(completion.token_ids)
-        delta = dataclasses.replace(completion, text=text, token_ids=token_ids, logprobs=logprobs)
-        return dataclasses.replace(output, outputs=[delta])
 
     def abort(self, request_id: str) -> None:
         """Abort a request (from any thread): its blocks are freed before the next step; its

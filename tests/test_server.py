@@ -87,7 +87,7 @@ def test_completion_logprobs_equal_the_engine_logprobs(client, offline):
     expected = offline.generate(PROMPTS[2], greedy(4, logprobs=2))[0].outputs[0]
     logprobs = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=4, temperature=0,
                                          logprobs=2).choices[0].logprobs
-    assert logprobs.token_logprobs == pytest.approx([lp[t] for t, lp in zip(expected.token_ids, expected.logprobs)],
+    assert logprobs.token_logprobs == pytest.approx([lp[t].logprob for t, lp in zip(expected.token_ids, expected.logprobs)],
                                                     abs=1e-4)
     assert logprobs.tokens == [offline.tokenizer.decode([t]) for t in expected.token_ids]
     assert all(len(top) == 2 for top in logprobs.top_logprobs)
@@ -130,7 +130,7 @@ def test_chat_top_logprobs(client, offline):
                                               logprobs=True, top_logprobs=3)
     content = response.choices[0].logprobs.content
     assert [c.logprob for c in content] == pytest.approx(
-        [lp[t] for t, lp in zip(expected.token_ids, expected.logprobs)], abs=1e-4)
+        [lp[t].logprob for t, lp in zip(expected.token_ids, expected.logprobs)], abs=1e-4)
     assert [len(c.top_logprobs) for c in content] == [3, 3, 3]
     assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
 

@@ -82,14 +82,13 @@ class TokenLogprob:
 
 def convert_logprobs(engine: AsyncLLM, token_ids: list[int], entries: list[dict[int, Any]] | None,
                      num_top: int) -> list[TokenLogprob]:
-    """The engine's per-token ``{token_id: logprob}`` maps as (token text, logprob, top ``num_top``).
+    """The engine's per-token ``{token_id: Logprob}`` maps as (token text, logprob, top ``num_top``).
 
-    The one place that reads the engine's logprob entries: a value may be a float or an object
-    with ``.logprob`` (vLLM's ``Logprob``). Token texts are decoded one id at a time.
+    The one place that reads the engine's logprob entries. Token texts are decoded one id at a time.
     """
     result = []
     for token_id, entry in zip(token_ids, entries or []):
-        values = {tid: float(getattr(v, "logprob", v)) for tid, v in entry.items()}
+        values = {tid: v.logprob for tid, v in entry.items()}
         top = sorted(values.items(), key=lambda item: item[1], reverse=True)[:num_top]
         result.append(TokenLogprob(engine.decode_token(token_id), values[token_id],
                                    [(engine.decode_token(tid), lp) for tid, lp in top]))
