@@ -46,7 +46,11 @@ class SamplingFields(OpenAIModel):
     extra_args: dict[str, Any] | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError (a 400) for values SamplingParams refuses, such as ``n`` > 1."""
+        """Raises ValueError (a 400) for values SamplingParams refuses, and for ``n`` > 1."""
+        if self.n != 1:
+            # The engine runs n > 1 (LLM.generate); the server's choices and streams carry one.
+            raise ValueError(f"n: the server returns one choice per prompt, got n={self.n}; "
+                             "use the offline LLM API for n > 1")
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
