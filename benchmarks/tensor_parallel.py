@@ -159,6 +159,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--step-batch", type=int, default=64, help="batch of the decode-step timing")
     parser.add_argument("--eager-too", action="store_true", help="also run TP=2 with enforce_eager")
+    parser.add_argument("--eager", action="store_true", help="every engine with enforce_eager (no CUDA graphs)")
     parser.add_argument("--root", default="/tmp/hookllm-bench")
     add_out_argument(parser)
     args = parser.parse_args()
@@ -172,11 +173,11 @@ def main() -> None:
     def save() -> None:
         write_result("tensor-parallel", payload, args.out)
 
-    runs = [(shape, int(tp), False) for shape in args.shapes.split(",") if shape for tp in args.tp.split(",")]
-    if args.eager_too:
+    runs = [(shape, int(tp), args.eager) for shape in args.shapes.split(",") if shape for tp in args.tp.split(",")]
+    if args.eager_too and not args.eager:
         runs += [(shape, 2, True) for shape in args.shapes.split(",") if shape]
     if args.big:
-        runs.append((args.big, 2, False))
+        runs.append((args.big, 2, args.eager))
     for shape, tp, eager in runs:
         try:
             row = run_engine(shape, tp, eager, prompts, max_tokens, args)
@@ -206,7 +207,7 @@ def main() -> None:
               f"{row.get('collectives_ms', 0.0):>9.2f}{row['startup_s']:>9.1f}")
     by_key = {(r["shape"], r["tp"], r["cuda_graphs"]): r for r in rows if "error" not in r}
     for shape in args.shapes.split(","):
-        one, two = by_key.get((shape, 1, True)), by_key.get((shape, 2, True))
+        one, two = by_key.get((shape, 1, not args.eager)), by_key.get((shape, 2, not args.eager))
         if one and two:
             print(f"{shape}: TP=2 / TP=1 = {two['output_tok_s'] / one['output_tok_s']:.2f}x")
 

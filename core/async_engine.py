@@ -53,6 +53,25 @@ class _Stream:
             pass
 
 
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for output_queue, output in items:
+        output_queue.put_nowait(output)
+
+
+def _merge_deltas(first: RequestOutput, rest: list[RequestOutput]) -> RequestOutput:
+    """Consecutive delta outputs of one request as one (a consumer that fell behind catches up
+    in one chunk instead of one per token)."""
+    if not rest:
+        return first
+    outputs = [first, *rest]
+    completions = [o.outputs[0] for o in outputs]
+    logprobs = ([entry for c in completions for entry in c.logprobs]
+                if all(c.logprobs is not None for c in completions) else completions[-1].logprobs)
+    merged = dataclasses.replace(completions[-1], text="".join(c.text for c in completions),
+                                 token_ids=[t for c in completions for t in c.token_ids], logprobs=logprobs)
+    return dataclasses.replace(outputs[-1], outputs=[merged])
+
+
 class AsyncLLM:
     """Async ``generate`` / ``abort`` over one ``LLMEngine`` stepped by a dedicated thread."""
 
@@ -139,11 +158,17 @@ class AsyncLLM:
         try:
             while not finished:
                 item = await stream.queue.get()
+                pending = []
+                while not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():
+                    pending.append(item)
+                    item = stream.queue.get_nowait()
+                if pending and isinstance(item, BaseException):
+                    yield _merge_deltas(pending[0], pending[1:])
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
                 finished = item.finished
-                yield item
+                yield _merge_deltas(pending[0], pending[1:] + [item]) if pending else item
         finally:
             if not finished:
                 self.abort(request_id)
@@ -220,13 +245,20 @@ class AsyncLLM:
             for rid in failed:
                 self._streams.pop(rid).put(error)
             return
+        # One wake-up per event loop per step (not one per request): a step may hold hundreds.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            stream.put(output)
+            batches.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that event loop is closed: nobody is left to tell
+                pass
 
     def _close(self) -> None:
         """On the engine thread, at the end: abort what runs, fail waiting consumers and commands."""

@@ -49,8 +49,8 @@ class SamplingFields(OpenAIModel):
         """Raises ValueError (a 400) for values SamplingParams refuses, and for ``n`` > 1."""
         if self.n != 1:
             # The engine runs n > 1 (LLM.generate); the server's choices and streams carry one.
-            raise ValueError(f"n: the server returns one choice per prompt, got n={self.n}; "
-                             "use the offline LLM API for n > 1")
+            raise ValueError(f"n must be 1 here (the server returns one choice per prompt; the offline "
+                             f"LLM API runs n > 1), got {self.n}")
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
