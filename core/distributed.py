@@ -89,7 +89,7 @@ def tensor_model_parallel_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor
     dim = dim % x.dim()
     # Concatenated along dim 0 (the output layout both NCCL and gloo accept), seen as [tp, *shape].
     flat = torch.empty((_tp_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(flat, x.contiguous())
+    dist.all_gather_into_tensor(flat, x.contiguous())
     stacked = flat.view(_tp_size, *x.shape)
     # [tp, ..., n, ...] -> [..., tp, n, ...] -> [..., tp * n, ...]: rank r's block at r * n.
     return stacked.movedim(0, dim).reshape(*x.shape[:dim], _tp_size * x.shape[dim], *x.shape[dim + 1:])

@@ -95,20 +95,27 @@ class _ResultSender:
                 step_output = self.pending.pop(0)
             if step_output is StopIteration:
                 return
-            self.conn.send(("result", step_output.resolve() if step_output is not None else None))
+            self.conn.send(("result", (step_output.resolve(), step_output.prompt_logprobs())
+                                      if step_output is not None else None))
 
 
 class RemoteStepOutput:
-    """A step running on the ranks: ``resolve`` reads rank 0's tokens (in step order)."""
+    """A step running on the ranks: ``resolve`` reads rank 0's answer (they come in step order)."""
 
     def __init__(self, workers: "MultiprocWorkers"):
         self.workers = workers
-        self.result: tuple[list[int], list[Any]] | None = None
+        self.result: tuple[tuple[list[int], list[Any]], dict[str, Any]] | None = None
 
-    def resolve(self) -> tuple[list[int], list[Any]]:
+    def _answer(self) -> tuple[tuple[list[int], list[Any]], dict[str, Any]]:
         while self.result is None:
             self.workers.receive_next_result()
         return self.result
+
+    def resolve(self) -> tuple[list[int], list[Any]]:
+        return self._answer()[0]
+
+    def prompt_logprobs(self) -> dict[str, Any]:
+        return self._answer()[1]
 
     def token_ids(self) -> list[int]:
         return self.resolve()[0]
@@ -141,25 +148,22 @@ class MultiprocWorkers:
         self.num_kv_blocks = min(blocks)
 
     def execute(self, scheduler_output: SchedulerOutput, previous: Any = None) -> RemoteStepOutput | None:
-        """Send the step to every rank; a step that samples nothing returns None, like a local worker."""
+        """Send the step to every rank. A step that schedules nothing returns None, like a local
+        worker; any other returns its answer to come (empty when the step sampled nothing)."""
         message = (scheduler_output, previous is not None)
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send(message)
             except OSError:
                 self._fail(rank, "its pipe closed")
-        if scheduler_output.is_empty() or not scheduler_output.sampling_rows:
-            # Rank 0 still answers (None) for every executed step: keep the answers in order.
-            self.awaiting.append(RemoteStepOutput(self))
-            return None
         step = RemoteStepOutput(self)
-        self.awaiting.append(step)
-        return step
+        self.awaiting.append(step)  # rank 0 answers every step, in order
+        return None if scheduler_output.is_empty() else step
 
     def receive_next_result(self) -> None:
         """Take rank 0's next answer for the oldest awaiting step."""
         step = self.awaiting.pop(0)
-        step.result = self._receive(0, "result", None) or ([], [])
+        step.result = self._receive(0, "result", None) or (([], []), {})
 
     def _receive(self, rank: int, kind: str, timeout_s: float | None) -> Any:
         """The next message of ``kind`` from ``rank``, watching every rank for errors and deaths."""
