@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import logging
 import queue
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, TypeVar
@@ -53,23 +54,12 @@ class _Stream:
             pass
 
 
+GIL_SWITCH_INTERVAL_S = 0.0002
+
+
 def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for output_queue, output in items:
         output_queue.put_nowait(output)
-
-
-def _merge_deltas(first: RequestOutput, rest: list[RequestOutput]) -> RequestOutput:
-    """Consecutive delta outputs of one request as one (a consumer that fell behind catches up
-    in one chunk instead of one per token)."""
-    if not rest:
-        return first
-    outputs = [first, *rest]
-    completions = [o.outputs[0] for o in outputs]
-    logprobs = ([entry for c in completions for entry in c.logprobs]
-                if all(c.logprobs is not None for c in completions) else completions[-1].logprobs)
-    merged = dataclasses.replace(completions[-1], text="".join(c.text for c in completions),
-                                 token_ids=[t for c in completions for t in c.token_ids], logprobs=logprobs)
-    return dataclasses.replace(outputs[-1], outputs=[merged])
 
 
 class AsyncLLM:
@@ -83,6 +73,9 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._stopped = threading.Event()
         self._stats = engine.get_stats()  # replaced (never mutated) by the engine thread
+        # The engine thread and the event loop share the GIL: with the default 5 ms switch
+        # interval a busy event loop holds the engine thread off for whole milliseconds per step.
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="hookllm-engine", daemon=True)
         self._thread.start()
 
@@ -158,17 +151,11 @@ class AsyncLLM:
         try:
             while not finished:
                 item = await stream.queue.get()
-                pending = []
-                while not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():
-                    pending.append(item)
-                    item = stream.queue.get_nowait()
-                if pending and isinstance(item, BaseException):
-                    yield _merge_deltas(pending[0], pending[1:])
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
                 finished = item.finished
-                yield _merge_deltas(pending[0], pending[1:] + [item]) if pending else item
+                yield item
         finally:
             if not finished:
                 self.abort(request_id)
