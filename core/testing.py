@@ -108,6 +108,20 @@ def release_chunked(engine: Any, request: Request) -> None:
     engine.worker.execute(SchedulerOutput.empty([request.request_id]))
 
 
+def record_batches(engine: Any) -> list[SchedulerOutput]:
+    """Every batch ``engine``'s scheduler emits from now on, appended as it is emitted."""
+    batches: list[SchedulerOutput] = []
+    schedule = engine.scheduler.schedule
+
+    def recording() -> SchedulerOutput:
+        batch = schedule()
+        batches.append(batch)
+        return batch
+
+    engine.scheduler.schedule = recording
+    return batches
+
+
 def reference_greedy(model: Any, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy continuation, ignoring EOS."""
     with torch.inference_mode():

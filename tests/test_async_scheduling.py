@@ -30,21 +30,13 @@ def test_async_outputs_equal_sync_outputs(make_llm):
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
-def test_no_token_is_computed_past_max_tokens(make_llm, monkeypatch):
+def test_no_token_is_computed_past_max_tokens(make_llm):
     llm = make_llm(async_scheduling=True)
-    scheduled = []
-    schedule = llm.engine.scheduler.schedule
-
-    def recording_schedule():
-        batch = schedule()
-        scheduled.append(batch.total_num_tokens)
-        return batch
-
-    monkeypatch.setattr(llm.engine.scheduler, "schedule", recording_schedule)
+    batches = testing.record_batches(llm.engine)
     prompt_ids = llm.tokenizer(PROMPT)["input_ids"]
     llm.generate({"prompt_token_ids": prompt_ids}, testing.greedy(6))
     # The last output token is sampled, never fed back: prompt + 5 tokens run through the model.
-    assert sum(scheduled) == len(prompt_ids) + 5
+    assert sum(b.total_num_tokens for b in batches) == len(prompt_ids) + 5
     testing.assert_all_blocks_free(llm)
 
 
