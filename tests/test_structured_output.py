@@ -131,6 +131,12 @@ def test_exactly_one_constraint_must_be_set():
         SamplingParams(structured_outputs={"regexp": "a"})
 
 
+def test_a_bad_extra_args_constraint_names_the_request(tiny):
+    with pytest.raises(ValueError, match="request bad-extra: structured_outputs must set exactly one"):
+        tiny.engine.add_request("bad-extra", "Hi", SamplingParams(extra_args={"structured_outputs": {}}))
+    assert not tiny.engine.has_request("bad-extra")
+
+
 def test_matchers_are_dropped_when_requests_finish(tiny):
     tiny.generate(["Hello"] * 3, sampled(3, 16, StructuredOutputsParams(json=TINY)), use_tqdm=False)
     assert not backend._MATCHERS

@@ -32,7 +32,10 @@ def preprocess_request(request: Any, tokenizer: Any, model_config: Any) -> None:
     from hookllm.plugins.structured import backend
 
     params = request.sampling_params
-    spec = backend.requested_spec(params)
+    try:
+        spec = backend.requested_spec(params)
+    except ValueError as exc:
+        raise ValueError(f"request {request.request_id}: {exc}") from None
     if spec is None:
         return
     compiled = backend.compile_request(request.request_id, spec, tokenizer, model_config)

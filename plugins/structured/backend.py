@@ -109,7 +109,8 @@ def compile_request(request_id: str, spec: StructuredOutputsParams, tokenizer: A
         raise ValueError(f"request {request_id}: structured_outputs needs a tokenizer; "
                          f"{model_config.path} has none")
     path = str(tokenizer.name_or_path)
-    eos = tuple(sorted(eos_token_ids(model_config, tokenizer)))
+    # EOS ids the tokenizer lacks (a config naming more ids than the vocabulary has) cannot be masked in.
+    eos = tuple(sorted(i for i in eos_token_ids(model_config, tokenizer) if i < len(tokenizer)))
     try:
         grammar = grammar_text(spec)
         error = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer(path, eos, tokenizer))
