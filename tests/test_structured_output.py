@@ -16,6 +16,7 @@ import torch
 
 from hookllm import LLM, SamplingParams
 from hookllm.batch import Batch, RequestState
+from hookllm.plugins.structured import COMPILED_KEY
 from hookllm.sampling_params import StructuredOutputsParams
 from hookllm.tokenizer import load_tokenizer
 
@@ -147,7 +148,7 @@ def test_a_matcher_error_masks_its_row_to_eos_only_and_leaves_the_others(tiny_ll
     tokenizer = load_tokenizer(str(tiny_llama_dir))
     compiled = backend.compile_request("r", StructuredOutputsParams(regex="[0-9]+"), tokenizer,
                                        tiny.engine.model_config)
-    params = SamplingParams(extra_args={"_structured_outputs_compiled": compiled})
+    params = SamplingParams(extra_args={COMPILED_KEY: compiled})
     prompt = tokenizer.encode("Hi")
     bad = tokenizer.encode("x", add_special_tokens=False)
     good = tokenizer.encode("1", add_special_tokens=False)

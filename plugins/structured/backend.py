@@ -16,6 +16,7 @@ import llguidance.torch
 import torch
 
 from hookllm.batch import Batch, RequestState
+from hookllm.plugins.structured import COMPILED_KEY
 from hookllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ def compile_request(request_id: str, spec: StructuredOutputsParams, tokenizer: A
 def _matcher_of(state: RequestState) -> _Matcher:
     entry = _MATCHERS.get(state.request_id)
     if entry is None or entry.state is not state:
-        compiled: CompiledGrammar = state.sampling_params.extra_args["_structured_outputs_compiled"]
+        compiled: CompiledGrammar = state.sampling_params.extra_args[COMPILED_KEY]
         tokenizer = ll_tokenizer(compiled.tokenizer_path, compiled.eos_token_ids)
         entry = _Matcher(state, llguidance.LLMatcher(tokenizer, compiled.grammar), tokenizer)
         _MATCHERS[state.request_id] = entry
