@@ -22,6 +22,38 @@ OUTPUT_KINDS = tuple(kind.value for kind in RequestOutputKind)
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output, shaped as vLLM's: set exactly one of ``json`` (a JSON
+    schema, as a dict or a JSON string), ``regex``, ``choice`` (the output is one of these
+    strings), ``grammar`` (a Lark grammar) or ``json_object=True`` (any JSON object). The
+    ``structured`` plugin (``--plugin structured``) compiles and enforces it."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        chosen = [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(chosen) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}; "
+                             f"got {', '.join(chosen) or 'none'}")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set."""
+        return next(name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
 class SamplingParams:
     """How to sample one request. Invalid values raise ``ValueError`` when constructed.
 
@@ -65,6 +97,8 @@ class SamplingParams:
     detokenize: bool = True
     # Set by the engine from ``bad_words`` (each word's token spellings); not a user field.
     bad_words_token_ids: list[list[int]] | None = None
+    # A JSON schema / regex / choice / grammar constraint (a dict is read as the dataclass's fields).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -119,6 +153,11 @@ class SamplingParams:
             self.allowed_token_ids = [_token_id(t, "allowed_token_ids") for t in self.allowed_token_ids]
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:  # an unknown key
+                raise ValueError(f"structured_outputs: {exc}") from None
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
             if not all(isinstance(w, str) and w.strip() for w in self.bad_words):

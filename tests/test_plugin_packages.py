@@ -88,6 +88,9 @@ def test_plugins_json_lists_packages_with_version_hooks_and_architectures(capsys
     assert rows["logit-bias"] == {"name": "logit-bias", "distribution": "hookllm-logit-bias", "version": "0.1.0",
                                   "hooks": ["add_cli_options", "add_routes", "process_logits"], "architectures": [],
                                   "error": None}
+    assert rows["structured"] == {"name": "structured", "distribution": "hookllm", "version": "0.1.0",
+                                  "hooks": ["preprocess_request", "process_logits", "request_finished"],
+                                  "architectures": [], "error": None}
 
 
 def test_gpt2_adapter_matches_transformers(gpt2_dir):

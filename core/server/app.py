@@ -310,10 +310,18 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                         logprobs: int | None) -> SamplingParams:
         try:
-            return body.sampling_params(max_tokens, logprobs)
+            params = body.sampling_params(max_tokens, logprobs)
         except ValueError as exc:
-            param = str(exc).split(" ", 1)[0]
+            param = str(exc).split(" ", 1)[0].rstrip(":")
             raise OpenAIError(400, str(exc), param=param if param in type(body).model_fields else None) from None
+        if ((params.structured_outputs is not None or "structured_outputs" in params.extra_args)
+                and "structured" not in engine.active_plugins):
+            # Without the plugin nothing would enforce the format: refuse rather than ignore it.
+            param = ("structured_outputs" if body.structured_outputs is not None
+                     else "response_format" if body.response_format is not None else "extra_args")
+            raise OpenAIError(400, f"{param} needs the structured output plugin: start the server with "
+                              "--plugin structured", param=param)
+        return params
 
     async def started(prompts: list[Any], params: SamplingParams, base_id: str) -> list[AsyncIterator[RequestOutput]]:
         gens = [tracked(engine, metrics, prompt, params, f"{base_id}-{i}") for i, prompt in enumerate(prompts)]

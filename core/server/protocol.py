@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from hookllm.sampling_params import SamplingParams
+from hookllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class OpenAIModel(BaseModel):
@@ -21,6 +21,19 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str | None = None
+    description: str | None = None
+    # "schema" would shadow pydantic's BaseModel.schema: the field is read under that alias.
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(OpenAIModel):
@@ -44,6 +57,27 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     extra_args: dict[str, Any] | None = None
+    # OpenAI's JSON mode / structured outputs, and vLLM's body field; the structured plugin enforces them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """``response_format`` or ``structured_outputs`` as SamplingParams' field (ValueError: a 400)."""
+        wanted = self.response_format is not None and self.response_format.type != "text"
+        if wanted and self.structured_outputs is not None:
+            raise ValueError("response_format and structured_outputs cannot both be set")
+        if self.structured_outputs is not None:
+            try:
+                return StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:  # an unknown key
+                raise ValueError(f"structured_outputs: {exc}") from None
+        if not wanted:
+            return None
+        if self.response_format.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.response_format.json_schema is None or self.response_format.json_schema.json_schema is None:
+            raise ValueError("response_format: type json_schema needs json_schema.schema")
+        return StructuredOutputsParams(json=self.response_format.json_schema.json_schema)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError (a 400) for values SamplingParams refuses, and for ``n`` > 1."""
@@ -57,7 +91,7 @@ class SamplingFields(OpenAIModel):
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, n=self.n,
-            extra_args=self.extra_args or {},
+            extra_args=self.extra_args or {}, structured_outputs=self.structured_outputs_params(),
         )
 
 

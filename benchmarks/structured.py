@@ -1,0 +1,185 @@
+"""Structured output cost: workload A with a quarter of the requests constrained by a JSON schema,
+against the same workload unconstrained, on one engine in one run.
+
+    python benchmarks/structured.py --shape llama-3.2-1b --out DIR
+
+The random checkpoint has no tokenizer, so a byte-level BPE (``--tokenizer-vocab`` ids, trained
+offline on the Python sources of the installed torch package; EOS ``</s>`` = id 2 as the Llama
+config says) is saved next to a link to its weights. Ids past the tokenizer's are never allowed in
+constrained rows. The schema, an array of strings without ``maxItems``, lets a constrained request
+run to its ``max_tokens`` (with ``ignore_eos``: once the array closes only EOS is allowed), so
+both runs produce the same token counts; the counts reported are the outputs' actual ones.
+Reported: output tok/s of both runs and their ratio (goal >= 0.9), and the host time per step
+spent in the plugin's mask work (advancing matchers, filling bitmasks, launching the masking),
+apart from the wait for the previous step's tokens. CPU smoke test:
+
+    python benchmarks/structured.py --tiny --num-requests 8 --max-prompt 32 --max-output 24 --out /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import add_out_argument, commit, device_name, now, random_checkpoint, write_result  # noqa: E402
+from throughput import workload_a  # noqa: E402
+
+SCHEMA = {"type": "array", "items": {"type": "string"}}
+
+
+def train_tokenizer(path: Path, vocab_size: int) -> None:
+    """A byte-level BPE saved into ``path``: <unk>, <s> (BOS, 1), </s> (EOS, 2), then merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    files = sorted(Path(torch.__file__).parent.rglob("*.py"))
+    corpus = (f.read_text(errors="ignore") for f in files[:3000])
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(str(path))
+
+
+def checkpoint_with_tokenizer(args) -> Path:
+    """The benchmark's checkpoint folder: the shared random checkpoint's files linked, plus a tokenizer."""
+    if args.tiny:
+        from hookllm import testing
+
+        path = Path(args.root) / "tiny-structured"
+        if not (path / "config.json").exists():
+            testing.build_tiny_checkpoint(testing.tiny_llama_config(), path)
+            testing.build_tiny_tokenizer(path)
+        return path
+    source = random_checkpoint(args.shape, Path(args.root))
+    path = Path(args.root) / f"{args.shape}-structured-{args.tokenizer_vocab}"
+    if not (path / "tokenizer.json").exists():
+        path.mkdir(parents=True, exist_ok=True)
+        for f in source.iterdir():  # link, not copy: the other benchmarks keep a tokenizer-less folder
+            if not (path / f.name).exists():
+                (path / f.name).symlink_to(f.resolve())
+        train_tokenizer(path, args.tokenizer_vocab)
+    return path
+
+
+class MaskTimer:
+    """Host time in the plugin's mask work per step, minus the wait for the previous step's tokens."""
+
+    def __init__(self):
+        from hookllm.batch import Batch
+        from hookllm.plugins.structured import backend
+
+        self.steps: list[float] = []
+        self.waits: list[float] = []
+        self.rows: list[int] = []
+        mask, exact = backend.mask_logits, Batch.exact_output_token_ids
+
+        def timed_mask(logits, batch, rows):
+            start = time.perf_counter()
+            mask(logits, batch, rows)
+            self.steps.append(time.perf_counter() - start)
+            self.rows.append(len(rows))
+
+        def timed_exact(batch):
+            start = time.perf_counter()
+            result = exact(batch)
+            self.waits.append(time.perf_counter() - start)
+            return result
+
+        backend.mask_logits, Batch.exact_output_token_ids = timed_mask, timed_exact
+
+    def reset(self) -> None:
+        self.steps, self.waits, self.rows = [], [], []
+
+    def summary(self) -> dict:
+        own = [s - w for s, w in zip(self.steps, self.waits)] or [0.0]
+        return {"steps": len(self.steps), "mask_ms_per_step_mean": 1e3 * statistics.fmean(own),
+                "mask_ms_per_step_p50": 1e3 * statistics.median(own), "mask_ms_per_step_max": 1e3 * max(own),
+                "wait_ms_per_step_mean": 1e3 * statistics.fmean(self.waits or [0.0]),
+                "constrained_rows_per_step_mean": statistics.fmean(self.rows or [0])}
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run(llm, prompts, params, name: str) -> dict:
+    synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    synchronize()
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"{name}: {tokens / seconds:.0f} output tok/s, {seconds:.1f}s", flush=True)
+    return {"output_tok_s": tokens / seconds, "output_tokens": tokens, "wall_s": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama-3.2-1b", choices=["llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b"])
+    parser.add_argument("--tiny", action="store_true", help="a tiny random Llama on the CPU (smoke test)")
+    parser.add_argument("--root", default="/tmp/hookllm-bench")
+    parser.add_argument("--tokenizer-vocab", type=int, default=32000)
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--constrained-every", type=int, default=4, help="every k-th request is constrained")
+    parser.add_argument("--max-prompt", type=int, default=None, help="cap prompt lengths (smoke tests)")
+    parser.add_argument("--max-output", type=int, default=None, help="cap max_tokens (smoke tests)")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    add_out_argument(parser)
+    args = parser.parse_args()
+
+    from hookllm import LLM, SamplingParams
+    from hookllm.sampling_params import StructuredOutputsParams
+
+    path = checkpoint_with_tokenizer(args)
+    kwargs = dict(device="cpu", dtype="float32") if args.tiny else dict(max_model_len=2048 + 64)
+    llm = LLM(str(path), plugins=["structured"], max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, **kwargs)
+    vocab = llm.engine.model_config.hf_config.vocab_size
+    prompts, max_tokens = workload_a(args.num_requests)
+    prompts = [[t % vocab for t in p[:args.max_prompt]] for p in prompts]
+    max_tokens = [min(n, args.max_output or n) for n in max_tokens]
+    constrained = StructuredOutputsParams(json=SCHEMA)
+    # Warm-up: CUDA graphs, the LLTokenizer (built once per tokenizer), the matchers' thread pool.
+    llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=8, structured_outputs=constrained),
+                 use_tqdm=False)
+    timer = MaskTimer()
+
+    def params(with_constraints: bool) -> list[SamplingParams]:
+        return [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n,
+                               structured_outputs=constrained if with_constraints and i % args.constrained_every == 0
+                               else None) for i, n in enumerate(max_tokens)]
+
+    results = {"unconstrained": run(llm, prompts, params(False), "unconstrained")}
+    timer.reset()
+    results["constrained"] = run(llm, prompts, params(True), f"1/{args.constrained_every} constrained")
+    results["constrained"].update(timer.summary())
+    ratio = results["constrained"]["output_tok_s"] / results["unconstrained"]["output_tok_s"]
+    payload = {"device": device_name(), "date": now(), "commit": commit(), "model": "tiny" if args.tiny else args.shape,
+               "workload": f"A: {args.num_requests} requests, ignore_eos, temperature 0.6; every "
+                           f"{args.constrained_every}th constrained by {SCHEMA}",
+               "tokenizer_vocab": len(llm.get_tokenizer()), "results": results, "throughput_ratio": ratio}
+    out = write_result(f"structured-{payload['model']}", payload, args.out)
+    c = results["constrained"]
+    print(f"\nwrote {out}")
+    print(f"{'run':<16}{'output tok/s':>14}{'wall s':>9}{'mask ms/step':>14}{'rows/step':>11}")
+    print(f"{'unconstrained':<16}{results['unconstrained']['output_tok_s']:>14.0f}"
+          f"{results['unconstrained']['wall_s']:>9.1f}{'-':>14}{'-':>11}")
+    print(f"{'constrained':<16}{c['output_tok_s']:>14.0f}{c['wall_s']:>9.1f}{c['mask_ms_per_step_mean']:>14.3f}"
+          f"{c['constrained_rows_per_step_mean']:>11.1f}")
+    print(f"throughput ratio constrained / unconstrained: {ratio:.3f} (goal >= 0.90)")
+
+
+if __name__ == "__main__":
+    main()

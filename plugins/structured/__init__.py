@@ -1,0 +1,60 @@
+"""Structured output: JSON schema, regex, choice and Lark grammar constraints, on llguidance.
+
+A request asks with ``SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))``
+(or ``regex=``, ``choice=``, ``grammar=``, ``json_object=True``), or with
+``extra_args={"structured_outputs": {...}}``; select the plugin with ``--plugin structured`` /
+``LLM(plugins=["structured"])``. Three ordinary hooks do the work:
+
+- ``preprocess_request`` compiles and validates the constraint against the engine's tokenizer
+  when the request is added (a bad schema or regex is a ``ValueError`` there) and stores the
+  compiled grammar in the request's own ``extra_args``, which travel to the worker;
+- ``process_logits`` advances one matcher per constrained request with the tokens it has not
+  consumed yet, fills the constrained rows' token bitmasks on the host and applies them to the
+  logits in one batched device operation;
+- ``request_finished`` drops the matcher.
+
+llguidance is imported inside the hooks (``hookllm.plugins.structured.backend``), so listing or
+loading the plugin never needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hookllm.plugins.hookspecs import hookimpl
+
+COMPILED_KEY = "_structured_outputs_compiled"  # extra_args key the compiled grammar travels under
+
+
+@hookimpl
+def preprocess_request(request: Any, tokenizer: Any, model_config: Any) -> None:
+    from hookllm.plugins.structured import backend
+
+    params = request.sampling_params
+    try:
+        spec = backend.requested_spec(params)
+    except ValueError as exc:
+        raise ValueError(f"request {request.request_id}: {exc}") from None
+    if spec is None:
+        return
+    compiled = backend.compile_request(request.request_id, spec, tokenizer, model_config)
+    # The request's own copy of the params: the user's object stays as it was.
+    request.sampling_params = dataclasses.replace(params, extra_args={**params.extra_args, COMPILED_KEY: compiled})
+
+
+@hookimpl
+def process_logits(logits: Any, batch: Any) -> None:
+    rows = [j for j, r in enumerate(batch.sampling_requests) if COMPILED_KEY in r.sampling_params.extra_args]
+    if rows:
+        from hookllm.plugins.structured import backend
+
+        backend.mask_logits(logits, batch, rows)
+
+
+@hookimpl
+def request_finished(request: Any, model: Any) -> None:
+    if COMPILED_KEY in request.sampling_params.extra_args:
+        from hookllm.plugins.structured import backend
+
+        backend.drop(request)

@@ -1,0 +1,224 @@
+"""The llguidance side of the structured plugin: compiling constraints, matchers, token masks.
+
+Imported only when a request uses structured output (the plugin's hooks import it lazily).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from hookllm.batch import Batch, RequestState
+from hookllm.plugins.structured import COMPILED_KEY
+from hookllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# Building an LLTokenizer walks the whole vocabulary (~0.5 s for 49k tokens): once per tokenizer.
+_LL_TOKENIZERS: dict[str, llguidance.LLTokenizer] = {}
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """What a worker needs to build a request's matcher; plain data, so it pickles."""
+
+    tokenizer_path: str
+    eos_token_ids: tuple[int, ...]
+    grammar: str  # llguidance's grammar text
+
+
+@dataclass
+class _Matcher:
+    state: RequestState  # the runner's object: a different one (a re-added request) starts over
+    matcher: llguidance.LLMatcher
+    tokenizer: llguidance.LLTokenizer
+    consumed: int = 0  # output tokens the matcher has consumed
+    error: str | None = None
+
+
+# Matchers by request id, where the model runs; dropped in request_finished.
+_MATCHERS: dict[str, _Matcher] = {}
+_EXECUTOR: llguidance.LLExecutor | None = None
+_BITMASKS: dict[int, torch.Tensor] = {}  # host buffers by mask width (32-bit words)
+
+
+def requested_spec(params: SamplingParams) -> StructuredOutputsParams | None:
+    """The request's constraint: the ``structured_outputs`` field, else ``extra_args["structured_outputs"]``."""
+    spec = params.structured_outputs or params.extra_args.get("structured_outputs")
+    if spec is None or isinstance(spec, StructuredOutputsParams):
+        return spec
+    if not isinstance(spec, dict):
+        raise ValueError(f"extra_args['structured_outputs'] must be a dict, got {type(spec).__name__}")
+    try:
+        return StructuredOutputsParams(**spec)
+    except TypeError as exc:  # an unknown key
+        raise ValueError(f"structured_outputs: {exc}") from None
+
+
+def ll_tokenizer(path: str, eos_token_ids: tuple[int, ...], hf_tokenizer: Any = None) -> llguidance.LLTokenizer:
+    """The LLTokenizer of the tokenizer at ``path`` (built once per process; a worker in another
+    process loads the HF tokenizer from ``path``)."""
+    tokenizer = _LL_TOKENIZERS.get(path)
+    if tokenizer is None:
+        if hf_tokenizer is None:
+            from hookllm.tokenizer import load_tokenizer
+
+            hf_tokenizer = load_tokenizer(path)
+        tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=list(eos_token_ids))
+        _LL_TOKENIZERS[path] = tokenizer
+    return tokenizer
+
+
+def grammar_text(spec: StructuredOutputsParams) -> str:
+    """llguidance's grammar for ``spec`` (not validated yet)."""
+    kind = spec.kind
+    if kind == "json":
+        schema = spec.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema)
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if kind == "choice":
+        # Lark string literals take JSON's escapes; non-ASCII stays as it is.
+        return llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
+    return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
+
+
+def compile_request(request_id: str, spec: StructuredOutputsParams, tokenizer: Any, model_config: Any
+                    ) -> CompiledGrammar:
+    """Compile and validate ``spec`` for the engine's tokenizer; ``ValueError`` naming the request
+    and the problem."""
+    from hookllm.engine import eos_token_ids
+
+    if tokenizer is None:
+        raise ValueError(f"request {request_id}: structured_outputs needs a tokenizer; "
+                         f"{model_config.path} has none")
+    path = str(tokenizer.name_or_path)
+    # EOS ids the tokenizer lacks (a config naming more ids than the vocabulary has) cannot be masked in.
+    eos = tuple(sorted(i for i in eos_token_ids(model_config, tokenizer) if i < len(tokenizer)))
+    try:
+        grammar = grammar_text(spec)
+        error = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer(path, eos, tokenizer))
+    except ValueError as exc:
+        error = str(exc)
+    if error:
+        raise ValueError(f"request {request_id}: invalid structured_outputs.{spec.kind}: {error.strip()}")
+    return CompiledGrammar(path, eos, grammar)
+
+
+def _matcher_of(state: RequestState) -> _Matcher:
+    entry = _MATCHERS.get(state.request_id)
+    if entry is None or entry.state is not state:
+        compiled: CompiledGrammar = state.sampling_params.extra_args[COMPILED_KEY]
+        tokenizer = ll_tokenizer(compiled.tokenizer_path, compiled.eos_token_ids)
+        entry = _Matcher(state, llguidance.LLMatcher(tokenizer, compiled.grammar), tokenizer)
+        _MATCHERS[state.request_id] = entry
+    return entry
+
+
+def _advance(entry: _Matcher, output_ids: list[int]) -> None:
+    """Feed the matcher the output tokens it has not seen; record the first error."""
+    new = output_ids[entry.consumed:]
+    entry.consumed = len(output_ids)
+    # A stopped matcher (the grammar is complete, EOS seen) takes nothing more: with ignore_eos
+    # the request goes on sampling EOS, which is not an error.
+    if not new or entry.error is not None or entry.matcher.is_stopped():
+        return
+    if not entry.matcher.consume_tokens(new):
+        entry.error = _reason(entry.matcher.get_error())
+        logger.warning("request %s: structured output failed (%s); the request is ended with EOS",
+                       entry.state.request_id, entry.error)
+
+
+def _reason(error: str) -> str:
+    # llguidance's error text dumps the parser state; its "Error: Parser Error: ..." line says why.
+    for line in error.splitlines():
+        if line.startswith("Error:"):
+            return line.removeprefix("Error:").strip().removeprefix("Parser Error:").strip()
+    return error.strip().splitlines()[0] if error.strip() else "the matcher refused a token"
+
+
+def _bitmask(rows: int, words: int) -> torch.Tensor:
+    """A host buffer of ``rows`` masks, reused across steps (pinned on CUDA hosts). Reuse is safe:
+    the copy that read it last step finished before that step's tokens were sampled, and this
+    step waited for those tokens (``exact_output_token_ids``) before filling it."""
+    buffer = _BITMASKS.get(words)
+    if buffer is None or buffer.shape[0] < rows:
+        buffer = llguidance.torch.allocate_token_bitmask(max(rows, 2 * (0 if buffer is None else buffer.shape[0])),
+                                                         32 * words)
+        _BITMASKS[words] = buffer
+    return buffer[:rows]
+
+
+def mask_logits(logits: torch.Tensor, batch: Batch, rows: list[int]) -> None:
+    """Mask the constrained ``rows`` of ``logits`` to the tokens their grammars allow."""
+    global _EXECUTOR
+    outputs = batch.exact_output_token_ids()
+    entries = [_matcher_of(batch.sampling_requests[j]) for j in rows]
+    for entry, j in zip(entries, rows):
+        _advance(entry, outputs[j])
+    words = (entries[0].tokenizer.vocab_size + 31) // 32
+    bitmask = _bitmask(len(rows), words)
+    healthy = []
+    for k, entry in enumerate(entries):
+        if entry.error is not None or entry.matcher.is_stopped():
+            bitmask[k] = 0  # EOS only: ends the request (unless ignore_eos)
+            for eos in entry.tokenizer.eos_tokens:
+                bitmask[k, eos // 32] |= _bit(eos % 32)
+        else:
+            healthy.append((entry.matcher, k))
+    if healthy:
+        if _EXECUTOR is None:
+            _EXECUTOR = llguidance.LLExecutor()
+        llguidance.torch.fill_next_token_bitmask_par(_EXECUTOR, healthy, bitmask)
+    apply_bitmask(logits, rows, bitmask)
+
+
+def _bit(index: int) -> int:
+    # Bit 31 as a signed int32.
+    return (1 << index) - (1 << 32 if index == 31 else 0)
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Set to -inf every token of ``logits[rows[k]]`` whose bit is 0 in ``bitmask[k]``; tokens past
+    the mask's width (ids the tokenizer lacks) are masked too. One batched device operation."""
+    device = logits.device
+    shifts = _SHIFTS.get(device)
+    if shifts is None:
+        shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    words = bitmask.to(device, non_blocking=True)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
+    vocab = logits.shape[1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], vocab - allowed.shape[1])], dim=1)
+    allowed = allowed[:, :vocab]
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        index = torch.tensor(rows, device=device)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def drop(state: RequestState) -> None:
+    entry = _MATCHERS.get(state.request_id)
+    if entry is not None and entry.state is state:
+        del _MATCHERS[state.request_id]
