@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: host work versus GPU kernels (run on the GPU machine).
+"""Where a decode step's time goes: host work versus GPU kernels (needs a CUDA GPU).
 
 Fills the engine with workload A's requests, runs until every request is decoding, then times
 N decode steps three times: plain (wall time per step), with host timers around each part of

@@ -98,8 +98,14 @@ class LLMEngine:
         return len(self.scheduler.requests)
 
     def shutdown(self) -> None:
-        """Drop the model, the KV cache and every request now (the engine cannot be used after);
+        """Abort every request, stop the worker (its processes under tensor parallelism) and drop
+        the model and KV cache; the engine cannot be used after, and a second call does nothing.
         ``hookllm.distributed.cleanup_dist_env_and_memory()`` then returns the memory."""
+        if "worker" not in self.__dict__:
+            return
+        self.abort_request(list(self.scheduler.requests))
+        self.in_flight.clear()
+        self.worker.shutdown()
         for attr in ("worker", "scheduler", "block_manager", "output_processor", "in_flight"):
             self.__dict__.pop(attr, None)
 
@@ -294,12 +300,6 @@ class LLMEngine:
     def get_stats(self) -> SchedulerStats:
         """Running and waiting requests and KV-cache use now (for metrics)."""
         return self.scheduler.stats()
-
-    def shutdown(self) -> None:
-        """Abort what runs, stop the worker processes (tensor parallelism) and free the KV cache."""
-        self.abort_request(list(self.scheduler.requests))
-        self.in_flight.clear()
-        self.worker.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)

@@ -1,6 +1,6 @@
 """The engine on CUDA (bf16, Triton attention, CUDA graphs) against transformers in bf16.
 
-Run on the GPU machine: ``pytest -m gpu tests/gpu``. Skipped without CUDA.
+Run on a machine with a GPU: ``pytest -m gpu tests/gpu``. Skipped without CUDA.
 """
 
 import pytest

@@ -1,6 +1,6 @@
 """The LLaVA adapter on CUDA (bf16, Triton attention) against transformers in bf16.
 
-Run on the GPU machine: ``pytest -m gpu tests/gpu/test_llava_gpu.py``. Skipped without CUDA.
+Run on a machine with a GPU: ``pytest -m gpu tests/gpu/test_llava_gpu.py``. Skipped without CUDA.
 """
 
 import pytest
