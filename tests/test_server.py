@@ -239,3 +239,19 @@ def test_api_key_is_required_when_set(chat_model_dir):
         assert httpx.get(server.url + "/health").status_code == 200  # health needs no key
     finally:
         assert server.stop() == 0
+
+
+def test_hookllm_complete_streams_the_servers_greedy_answer(server, offline, capsys):
+    from hookllm.cli import main
+
+    expected = offline.generate(PROMPTS[1], greedy(10))[0].outputs[0].text
+    assert main(["complete", "--url", server.url, "--max-tokens", "10", PROMPTS[1]]) == 0
+    assert capsys.readouterr().out.strip() == expected.strip()
+
+
+def test_hookllm_chat_answers_one_message_as_the_offline_chat(server, offline, capsys):
+    from hookllm.cli import main
+
+    expected = offline.chat([{"role": "user", "content": PROMPTS[0]}], greedy(10))[0].outputs[0].text
+    assert main(["chat", "--url", server.url, "--max-tokens", "10", PROMPTS[0]]) == 0
+    assert expected.strip() in capsys.readouterr().out
