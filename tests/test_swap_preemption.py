@@ -106,3 +106,19 @@ def test_every_device_and_host_block_is_free_after_draining(run, async_schedulin
 def test_bad_preemption_options_are_refused(tiny_llama_dir, field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(model=str(tiny_llama_dir), **{field: value})
+
+
+def test_aborting_a_swapped_request_frees_its_host_blocks(make_llm, prompts, alone):
+    llm = make_llm(preemption_mode="swap", swap_space=0.01, **TIGHT)
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    ids = [engine.add_request(str(i), {"prompt_token_ids": p}, PARAMS) for i, p in enumerate(prompts)]
+    finished = {}
+    while not scheduler.swapped:
+        finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    aborted = {r.request_id for r in scheduler.swapped}
+    engine.abort_request(list(aborted))
+    assert scheduler.host_allocator.num_free_blocks == scheduler.host_allocator.num_blocks
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert {i: finished[i] for i in ids if i not in aborted} == {i: t for i, t in zip(ids, alone[0]) if i not in aborted}
+    testing.assert_all_blocks_free(llm)
