@@ -219,3 +219,27 @@ class BlockManager:
             self.table[request.block_table_row] = 0
             self.free_rows.append(request.block_table_row)
             request.block_table_row = None
+
+
+class HostBlockAllocator:
+    """Which host (swap space) blocks hold the KV contents of swapped-out requests.
+
+    Plain ids, no sharing: only a request whose device blocks are all its own is swapped.
+    """
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.free_block_ids: list[int] = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        """``num_blocks`` free host block ids, or None (taking nothing) when too few are free."""
+        if num_blocks > len(self.free_block_ids):
+            return None
+        return [self.free_block_ids.pop() for _ in range(num_blocks)]
+
+    def free(self, block_ids: list[int]) -> None:
+        self.free_block_ids += reversed(block_ids)

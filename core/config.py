@@ -15,6 +15,7 @@ DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -118,6 +119,10 @@ class EngineConfig:
     tensor_parallel_size: int = _option(1, "GPUs (one worker process each) the model's layers are split across")
     load_format: str = _option("auto", "auto or safetensors: read the checkpoint; dummy: random weights (benchmarks)",
                                choices=["auto", "safetensors", "dummy"])
+    preemption_mode: str = _option("recompute", "a preempted request is recomputed, or swapped: its KV blocks "
+                                   "wait in host memory and come back as they were", choices=list(PREEMPTION_MODES))
+    swap_space: float = _option(4.0, "GiB of host memory (pinned on CUDA) per worker for swapped KV blocks "
+                                "(preemption_mode=swap)")
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -137,3 +142,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if not self.swap_space >= 0:  # also refuses NaN
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")

@@ -66,7 +66,8 @@ class LLMEngine:
                        if config.tensor_parallel_size == 1 else MultiprocWorkers(config))
         self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   eos_token_ids(self.model_config, self.tokenizer))
+                                   eos_token_ids(self.model_config, self.tokenizer),
+                                   config.preemption_mode, self.worker.num_host_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Launched steps whose tokens are not read yet: at most one more than max_in_flight.
         self.in_flight: deque[tuple[SchedulerOutput, StepOutput]] = deque()
@@ -312,7 +313,9 @@ class LLMEngine:
         """
         batch = self.scheduler.schedule()
         previous = self.in_flight[-1][1] if self.in_flight else None
-        result = self.worker.execute(batch, previous) if not batch.is_empty() or batch.finished_request_ids else None
+        # A step may only swap out (its one request could not grow): the worker still copies.
+        needs_worker = not batch.is_empty() or batch.finished_request_ids or batch.swap_out
+        result = self.worker.execute(batch, previous) if needs_worker else None
         if result is not None:
             self.in_flight.append((batch, result))
         outputs = []

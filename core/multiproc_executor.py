@@ -43,7 +43,7 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connec
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
         init_tensor_parallel(rank, size, "nccl" if cuda else "gloo", init_method, device if cuda else None)
         worker = Worker.from_config(replace(config, device=str(device)))
-        conn.send(("ready", worker.num_kv_blocks))
+        conn.send(("ready", (worker.num_kv_blocks, worker.num_host_blocks)))
         sender = _ResultSender(conn) if rank == 0 else None
         previous = None
         while True:
@@ -145,7 +145,8 @@ class MultiprocWorkers:
         except BaseException:
             self.shutdown()
             raise
-        self.num_kv_blocks = min(blocks)
+        # Every rank holds its shard of each block (device and host): the smallest cache bounds all.
+        self.num_kv_blocks, self.num_host_blocks = (min(counts) for counts in zip(*blocks))
 
     def execute(self, scheduler_output: SchedulerOutput, previous: Any = None) -> RemoteStepOutput | None:
         """Send the step to every rank. A step that schedules nothing returns None, like a local

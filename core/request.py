@@ -14,6 +14,7 @@ from hookllm.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV blocks' contents kept in host memory
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -65,6 +66,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.block_ids: list[int] = []
         self.block_table_row: int | None = None  # its row in BlockManager.table while it holds blocks
+        self.host_block_ids: list[int] = []  # while swapped: where its blocks' K/V wait, in order
         self.stop_reason: int | str | None = None
         # Prefix caching: hashes of the full blocks of all_token_ids (filled lazily by the block
         # manager), how many of the held blocks it made findable, and the first admission's hit.

@@ -3,7 +3,9 @@
 vLLM v1 style: no separate prefill and decode phases. Running requests go first (a decode is
 one token; an unfinished prefill continues its next chunk), then waiting requests are admitted
 in arrival order, all under one token budget. When blocks run out, the newest running request
-is preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
+is preempted: its blocks are freed and it goes back to the front of the queue to be recomputed,
+or, with ``preemption_mode="swap"``, their contents move to host memory and it resumes later
+exactly where it was (before any new request is admitted).
 
 The scheduler owns every change to a request's state: ``schedule`` advances what a step
 computes (with async scheduling the step's sampled token is a placeholder until read back),
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from hookllm.block_manager import BlockManager
+from hookllm.block_manager import BlockManager, HostBlockAllocator
 from hookllm.request import Request, RequestStatus
 from hookllm.scheduler_output import NewRequestData, SchedulerOutput
 
@@ -30,6 +32,7 @@ class SchedulerStats:
     # Prefix caching, in tokens since the engine started: looked up at admission, and found cached.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_swapped_reqs: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -39,7 +42,8 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_ids: set[int] | frozenset[int] = frozenset()):
+                 eos_token_ids: set[int] | frozenset[int] = frozenset(), preemption_mode: str = "recompute",
+                 num_host_blocks: int = 0):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -47,6 +51,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Swapped out (preemption_mode="swap"), first to resume first; their K/V wait in the
+        # worker's host cache, in the host blocks the allocator gave them.
+        self.preemption_mode = preemption_mode
+        self.swapped: deque[Request] = deque()
+        self.host_allocator = HostBlockAllocator(num_host_blocks)
         # Finished since the last batch: the runner drops their state when the next batch arrives.
         self.finished_request_ids: list[str] = []
         # Finished requests that keep their blocks for forks (beam search) until released.
@@ -59,13 +68,13 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def stats(self) -> SchedulerStats:
         manager = self.block_manager
         return SchedulerStats(len(self.running), len(self.waiting),
                               manager.num_blocks - manager.num_free_blocks, manager.num_blocks,
-                              self.prefix_cache_queries, self.prefix_cache_hits)
+                              self.prefix_cache_queries, self.prefix_cache_hits, len(self.swapped))
 
     def fork(self, parent_id: str, child: Request) -> None:
         """Queue ``child``, which continues the retained request ``parent_id``'s computed tokens,
@@ -86,6 +95,9 @@ class Scheduler:
         scheduled: list[Request] = []
         counts: list[int] = []
         preempted: list[Request] = []
+        # (device, host) and (host, device) block pairs the worker copies before the step runs.
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -96,7 +108,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()  # the newest running request
-                self._preempt(victim)
+                self._preempt(victim, swap_out)
                 preempted.append(victim)
                 if victim is request:
                     break
@@ -106,8 +118,27 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        # Admitting new work right after a preemption would only thrash the cache.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # Admitting or resuming work right after a preemption would only thrash the cache. It also
+        # means a swapped request resumes at least one step after it was swapped out, so (async
+        # scheduling) the token its last step sampled has been read back by then.
+        while not preempted and self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.swapped[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.block_manager.allocate_slots(request, num_new):
+                break
+            # Its first blocks take back their K/V from the host; the rest are new.
+            swap_in += zip(request.host_block_ids, request.block_ids)
+            self.host_allocator.free(request.host_block_ids)
+            request.host_block_ids = []
+            self.swapped.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(request)
+            counts.append(num_new)
+            budget -= num_new
+
+        while (not preempted and not self.swapped and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
             # A request holding no blocks starts from its longest cached prefix (a fork holds its parent's).
             looks_up = self.block_manager.enable_prefix_caching and not request.block_ids
@@ -128,9 +159,10 @@ class Scheduler:
             scheduled.append(request)
             counts.append(num_new)
             budget -= num_new
-        return self._snapshot(scheduled, counts, preempted)
+        return self._snapshot(scheduled, counts, preempted, swap_out, swap_in)
 
-    def _snapshot(self, scheduled: list[Request], counts: list[int], preempted: list[Request]) -> SchedulerOutput:
+    def _snapshot(self, scheduled: list[Request], counts: list[int], preempted: list[Request],
+                  swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> SchedulerOutput:
         """The step as data, then the state it leaves: computed tokens advance now, and each
         request whose chunk reaches its last token gets a placeholder for the token it samples."""
         new_requests, new_token_ids, sampling_rows = [], [], []
@@ -158,13 +190,38 @@ class Scheduler:
             block_copies=self.block_manager.take_copies(),
             finished_request_ids=finished,
             preempted_request_ids=[r.request_id for r in preempted],
+            swap_out=swap_out,
+            swap_in=swap_in,
         )
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, swap_out: list[tuple[int, int]]) -> None:
+        """Swap the request out (adding its block pairs to ``swap_out``) when the mode asks and it
+        can be, else free its blocks for it to be recomputed from the start."""
+        host_block_ids = self._host_blocks_for(request)
+        if host_block_ids is not None:
+            swap_out += zip(request.block_ids, host_block_ids)
+            request.host_block_ids = host_block_ids
+            self.block_manager.free(request)  # its computed tokens stay computed
+            request.status = RequestStatus.SWAPPED
+            self.swapped.appendleft(request)
+            return
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
+
+    def _host_blocks_for(self, request: Request) -> list[int] | None:
+        """Host blocks for a request about to be swapped out, or None: it is recomputed instead.
+
+        Only a request holding every block alone is swapped: a shared block (prefix cache, fork)
+        must stay on the device for its other holders. A request keeping its blocks for forks
+        (beam search) is recomputed too, as a fork needs its blocks on the device.
+        """
+        manager = self.block_manager
+        if (self.preemption_mode != "swap" or request.retain_blocks
+                or any(manager.blocks[block_id].ref_count > 1 for block_id in request.block_ids)):
+            return None
+        return self.host_allocator.allocate(len(request.block_ids))
 
     def update_from_output(self, batch: SchedulerOutput, token_ids: list[int]) -> list[tuple[Request, int]]:
         """Apply a step's sampled tokens (one per ``batch.sampling_rows``, in order): append each,
@@ -205,6 +262,10 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self.host_allocator.free(request.host_block_ids)
+            request.host_block_ids = []
         else:
             self.waiting.remove(request)
         request.status = status

@@ -38,7 +38,12 @@ class SchedulerOutput:
     # (source, destination) KV blocks to copy before the step runs: copy-on-write of shared blocks.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # the runner drops their state
-    preempted_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)  # swapped out or to be recomputed
+    # Swapping (preemption_mode="swap"), done by the worker before the step runs, swap-out
+    # first: (device, host) blocks whose K/V move to host memory (the device blocks may be
+    # reused this step), then (host, device) blocks whose K/V come back.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def empty(cls, finished_request_ids: list[str] | None = None) -> "SchedulerOutput":

@@ -66,6 +66,10 @@ class Worker:
             raise ValueError(f"{type(model).__name__} has no hookllm.layers.Attention layer to hold a KV cache")
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory()
         self._allocate_kv_cache(self.num_kv_blocks)
+        # Swap space: the host's K/V cache for swapped-out requests, same layout per layer.
+        self.num_host_blocks = (int(config.swap_space * 2**30) // self.block_bytes
+                                if config.preemption_mode == "swap" else 0)
+        self._allocate_host_cache(self.num_host_blocks)
         self.runner = ModelRunner(model, hooks, self.device, config.block_size, self.attention_backend, config.seed)
         if self.device.type == "cuda" and backend == "triton" and not config.enforce_eager:
             self.runner.cuda_graphs = CudaGraphRunner(
@@ -133,7 +137,21 @@ class Worker:
             layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
 
+    def _allocate_host_cache(self, num_blocks: int) -> None:
+        """One host K and V tensor per layer, like the device cache; pinned on CUDA, so the
+        copies in and out run at full speed."""
+        pin = self.device.type == "cuda" and num_blocks > 0
+        self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in self.attention_layers:
+            shape = (num_blocks, self.config.block_size, layer.num_kv_heads, layer.head_dim)
+            self.host_caches.append(tuple(torch.empty(shape, dtype=self.dtype, pin_memory=pin) for _ in range(2)))
+
     def execute(self, scheduler_output: SchedulerOutput, previous: StepOutput | None = None) -> StepOutput | None:
+        # Swap-out first: the device blocks it frees may be written this step (new tokens, a copy).
+        if scheduler_output.swap_out:
+            self.swap_out(scheduler_output.swap_out)
+        if scheduler_output.swap_in:
+            self.swap_in(scheduler_output.swap_in)
         if scheduler_output.block_copies:
             self.copy_blocks(scheduler_output.block_copies)
         return self.runner.execute(scheduler_output, previous)
@@ -147,6 +165,28 @@ class Worker:
             for cache in (layer.k_cache, layer.v_cache):
                 cache.index_copy_(0, pairs[:, 1], cache.index_select(0, pairs[:, 0]))
 
+    @torch.inference_mode()
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Each (device, host) block's K and V, in every layer, to host memory: one batched
+        index copy per tensor. The device→host copy waits for the device's stream, so it reads
+        the blocks after the step still in flight (async scheduling) has written them."""
+        device_ids, host_ids = torch.tensor(pairs, dtype=torch.long).T
+        device_ids = device_ids.to(self.device)
+        for layer, host in zip(self.attention_layers, self.host_caches):
+            for cache, host_cache in zip((layer.k_cache, layer.v_cache), host):
+                host_cache.index_copy_(0, host_ids, cache.index_select(0, device_ids).cpu())
+
+    @torch.inference_mode()
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Each (host, device) block's K and V, in every layer, back to the device: one batched
+        index copy per tensor, queued before the step that reads them."""
+        host_ids, device_ids = torch.tensor(pairs, dtype=torch.long).T
+        device_ids = device_ids.to(self.device)
+        for layer, host in zip(self.attention_layers, self.host_caches):
+            for cache, host_cache in zip((layer.k_cache, layer.v_cache), host):
+                cache.index_copy_(0, device_ids, host_cache.index_select(0, host_ids).to(self.device))
+
     def shutdown(self) -> None:
-        """Release the KV cache (the model goes with the last reference to the worker)."""
+        """Release the KV cache and the swap space (the model goes with the last reference to the worker)."""
         self._allocate_kv_cache(0)
+        self._allocate_host_cache(0)
