@@ -130,11 +130,7 @@ class Scheduler:
             swap_in += zip(request.host_block_ids, request.block_ids)
             self.host_allocator.free(request.host_block_ids)
             request.host_block_ids = []
-            self.swapped.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled.append(request)
-            counts.append(num_new)
+            self._start_running(self.swapped, num_new, scheduled, counts)
             budget -= num_new
 
         while (not preempted and not self.swapped and self.waiting and budget > 0
@@ -153,13 +149,18 @@ class Scheduler:
             request.num_computed_tokens += num_cached
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled.append(request)
-            counts.append(num_new)
+            self._start_running(self.waiting, num_new, scheduled, counts)
             budget -= num_new
         return self._snapshot(scheduled, counts, preempted, swap_out, swap_in)
+
+    def _start_running(self, queue: deque[Request], num_new: int, scheduled: list[Request],
+                       counts: list[int]) -> None:
+        """Move the head of ``queue`` (waiting or swapped) to running, scheduled for ``num_new`` tokens."""
+        request = queue.popleft()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        scheduled.append(request)
+        counts.append(num_new)
 
     def _snapshot(self, scheduled: list[Request], counts: list[int], preempted: list[Request],
                   swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> SchedulerOutput:
