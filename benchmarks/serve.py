@@ -2,7 +2,7 @@
 
 Workload A (see throughput.py) is sent with token-id prompts through ``/v1/completions``
 (``ignore_eos``, temperature 0.6), first all at once ("full concurrency"), then by a Poisson
-process at each ``--rates`` req/s. Per run: output tok/s, TTFT and TPOT p50/p99. Then the same
+process at each ``--rates`` req/s, by ``--client-processes`` aiohttp clients. Per run: output tok/s, TTFT and TPOT p50/p99. Then the same
 requests through offline ``LLM.generate`` in this process, for the served / offline ratio.
 
     python benchmarks/serve.py --shape llama-3.2-1b --rates 20,40
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import shlex
 import socket
 import subprocess
@@ -57,42 +58,66 @@ def start_server(model: Path, port: int, engine_args: str, startup_s: float) -> 
     raise RuntimeError(f"hookllm serve was not healthy within {startup_s} s")
 
 
-async def one_request(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed completion: its send time, token arrival times and token count."""
+async def one_request(http: "aiohttp.ClientSession", url: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion: its send time, first and last chunk times (wall clock) and token count."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.6, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    sent = time.perf_counter()
-    arrivals, tokens = [], 0
-    async with http.stream("POST", "/v1/completions", json=body) as response:
+    sent = time.time()
+    first = last = None
+    tokens = 0
+    async with http.post(f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
             event = json.loads(line[6:])
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
             elif event["choices"]:
-                arrivals.append(time.perf_counter())
-    return {"sent": sent, "first": arrivals[0], "last": arrivals[-1], "tokens": tokens}
+                last = time.time()
+                first = first or last
+    return {"sent": sent, "first": first, "last": last, "tokens": tokens}
 
 
-async def run_load(url: str, prompts, max_tokens, rate: float | None) -> dict:
-    """All requests at once (``rate`` None) or with Poisson arrivals at ``rate`` req/s."""
-    gaps = np.random.default_rng(0).exponential(1.0 / rate, len(prompts)) if rate else np.zeros(len(prompts))
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
-        start = time.perf_counter()
+async def send_all(url: str, jobs: list[tuple[float, list[int], int]], start_at: float) -> list[dict]:
+    """Send each (offset, prompt, max_tokens) at ``start_at + offset`` (wall clock)."""
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
         tasks = []
-        for prompt, n, gap in zip(prompts, max_tokens, gaps):
-            await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(one_request(http, prompt, n)))
-        results = await asyncio.gather(*tasks)
-        seconds = time.perf_counter() - start
+        for offset, prompt, max_tokens in jobs:
+            await asyncio.sleep(max(0.0, start_at + offset - time.time()))
+            tasks.append(asyncio.create_task(one_request(http, url, prompt, max_tokens)))
+        return await asyncio.gather(*tasks)
+
+
+def client_process(url: str, jobs: list, start_at: float, results: "multiprocessing.Queue") -> None:
+    results.put(asyncio.run(send_all(url, jobs, start_at)))
+
+
+def run_load(url: str, prompts, max_tokens, rate: float | None, num_clients: int) -> dict:
+    """All requests at once (``rate`` None) or with Poisson arrivals at ``rate`` req/s, sent by
+    ``num_clients`` processes (one Python client cannot parse tens of thousands of events a second)."""
+    gaps = np.random.default_rng(0).exponential(1.0 / rate, len(prompts)) if rate else np.zeros(len(prompts))
+    offsets = np.cumsum(gaps)
+    jobs = [(float(t), p, n) for t, p, n in zip(offsets, prompts, max_tokens)]
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    start_at = time.time() + 3.0  # every client process is up and connected by then
+    clients = [context.Process(target=client_process, args=(url, jobs[i::num_clients], start_at, queue))
+               for i in range(num_clients)]
+    for client in clients:
+        client.start()
+    results = [r for _ in clients for r in queue.get()]
+    for client in clients:
+        client.join()
+    seconds = max(r["last"] for r in results) - start_at
     ttft = np.asarray([r["first"] - r["sent"] for r in results])
     tpot = np.asarray([(r["last"] - r["first"]) / max(1, r["tokens"] - 1) for r in results])
     output_tokens = sum(r["tokens"] for r in results)
-    return {"rate_req_s": rate or "max", "num_requests": len(prompts), "wall_s": seconds,
-            "output_tok_s": output_tokens / seconds, "output_tokens": output_tokens,
+    return {"rate_req_s": rate or "max", "num_requests": len(prompts), "client_processes": num_clients,
+            "wall_s": seconds, "output_tok_s": output_tokens / seconds, "output_tokens": output_tokens,
             "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)), "ttft_p99_ms": 1e3 * float(np.percentile(ttft, 99)),
             "tpot_p50_ms": 1e3 * float(np.percentile(tpot, 50)), "tpot_p99_ms": 1e3 * float(np.percentile(tpot, 99))}
 
@@ -127,6 +152,7 @@ def main() -> None:
     parser.add_argument("--engine-args", default="--max-model-len 2112",
                         help="engine flags for the server and the offline run, as one string")
     parser.add_argument("--startup-s", type=float, default=600.0)
+    parser.add_argument("--client-processes", type=int, default=4, help="processes sending the requests")
     add_out_argument(parser)
     args = parser.parse_args()
 
@@ -147,10 +173,10 @@ def main() -> None:
     server = start_server(model, port, args.engine_args, args.startup_s)
     try:
         url = f"http://{HOST}:{port}"
-        asyncio.run(run_load(url, prompts[:2], [4, 4], None))  # warm-up
+        run_load(url, prompts[:2], [4, 4], None, 1)  # warm-up
         for rate in [None, *rates]:
             key = "full_concurrency" if rate is None else f"rate_{rate:g}"
-            results[key] = asyncio.run(run_load(url, prompts, max_tokens, rate))
+            results[key] = run_load(url, prompts, max_tokens, rate, args.client_processes)
     finally:
         server.terminate()
         server.wait(60)

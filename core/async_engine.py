@@ -1,10 +1,13 @@
-"""``AsyncLLM``: an asyncio front for the synchronous ``LLMEngine``.
+"""``AsyncLLM``: an asyncio front for the engine loop (``hookllm.engine_core``).
 
-One thread owns the engine: it runs the commands other threads queue (add, abort, tokenize,
-render a chat) between steps and steps the engine while any request is unfinished; idle, it
-blocks on the command queue. Outputs reach each request's ``asyncio.Queue`` through
-``loop.call_soon_threadsafe``. Only that thread ever touches the engine, so the engine needs no
-locks; the one exception is decoding token ids, which only reads the tokenizer.
+The engine steps in a process of its own (``AsyncLLM(config=...)``, the server's way) or on a
+thread of this one (``AsyncLLM(engine)``). Either way the front sends it commands and gets one
+report per step; a reader hands each request's outputs to its ``asyncio.Queue`` with one
+``call_soon_threadsafe`` per event loop per step. Tokenizing, detokenizing and rendering chats
+happen here, with this side's own tokenizer, so they never wait for a step.
+
+A consumer slower than the engine gets the deltas that piled up merged into one output: a
+stream's chunk rate adapts to what its reader can take, and the engine never waits for it.
 """
 
 from __future__ import annotations
@@ -13,23 +16,24 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
-import logging
-import queue
 import sys
 import threading
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator
 
 from hookllm.chat import render_chat
 from hookllm.config import EngineConfig
 from hookllm.engine import LLMEngine
+from hookllm.engine_core import EngineProcess, EngineReport, EngineThread, OutputStream, rebuild_error
 from hookllm.outputs import CompletionOutput, RequestOutput
 from hookllm.sampling_params import SamplingParams
 from hookllm.scheduler import SchedulerStats
+from hookllm.tokenizer import load_tokenizer
 
-logger = logging.getLogger(__name__)
-T = TypeVar("T")
 Prompt = str | list[int] | dict[str, Any]
+
+# A thread engine shares the GIL with the event loop: with the default 5 ms switch interval a
+# busy event loop holds the engine thread off for whole milliseconds per step.
+GIL_SWITCH_INTERVAL_S = 0.0002
 
 
 class EngineStepError(RuntimeError):
@@ -37,102 +41,108 @@ class EngineStepError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (``shutdown()``); no request can run."""
+    """The engine loop has stopped (``shutdown()``, or its process died); no request can run."""
 
 
-@dataclass
-class _Stream:
-    """A request's output queue and what is needed to turn engine outputs into deltas."""
+class _Stream(OutputStream):
+    """A request's output queue, on its consumer's event loop."""
 
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the consumer's event loop is closed: nobody is left to tell
-            pass
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        super().__init__()
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
 
 
-GIL_SWITCH_INTERVAL_S = 0.0002
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    for output_queue, item in items:
+        output_queue.put_nowait(item)
 
 
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for output_queue, output in items:
-        output_queue.put_nowait(output)
+def merge_delta(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive delta outputs of one request as one."""
+    completions = {c.index: c for c in first.outputs}
+    for c in later.outputs:
+        old = completions.get(c.index)
+        completions[c.index] = c if old is None else dataclasses.replace(
+            c, text=old.text + c.text, token_ids=old.token_ids + c.token_ids,
+            logprobs=old.logprobs + c.logprobs if old.logprobs is not None and c.logprobs is not None else c.logprobs)
+    return dataclasses.replace(later, outputs=[completions[i] for i in sorted(completions)])
 
 
 class AsyncLLM:
-    """Async ``generate`` / ``abort`` over one ``LLMEngine`` stepped by a dedicated thread."""
+    """Async ``generate`` / ``abort`` over one engine loop.
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self._streams: dict[str, _Stream] = {}  # engine thread only
-        # Commands for the engine thread: (function, future for its result); None wakes it.
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+    ``AsyncLLM(engine)`` steps an engine built here on a thread; ``AsyncLLM(config=config)``
+    (or ``from_engine_config``) builds it in a process of its own.
+    """
+
+    def __init__(self, engine: LLMEngine | None = None, *, config: EngineConfig | None = None):
+        if (engine is None) == (config is None):
+            raise TypeError("AsyncLLM takes an engine or a config, not both")
+        self._streams: dict[str, _Stream] = {}
+        self._adding: dict[str, concurrent.futures.Future] = {}
         self._ids = itertools.count()
         self._stopped = threading.Event()
-        self._stats = engine.get_stats()  # replaced (never mutated) by the engine thread
-        # The engine thread and the event loop share the GIL: with the default 5 ms switch
-        # interval a busy event loop holds the engine thread off for whole milliseconds per step.
-        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
-        self._thread = threading.Thread(target=self._run, name="hookllm-engine", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()  # the streams' table: the event loop adds, the reader removes
+        if engine is not None:
+            self.config, self.model_config, self.hooks = engine.config, engine.model_config, engine.hooks
+            self._stats = engine.get_stats()
+            sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
+            self._loop: EngineThread | EngineProcess = EngineThread(engine, self._on_report)
+        else:
+            from hookllm.hub import resolve_model_path
+            from hookllm.plugins.manager import PluginManager
+            from hookllm.worker import resolve_model
+
+            config = dataclasses.replace(config, model=resolve_model_path(config.model),
+                                         tokenizer=resolve_model_path(config.tokenizer) if config.tokenizer else None)
+            # This side needs the model's config and the hooks that run here (render_content_part,
+            # add_routes), not its weights: those load in the engine process.
+            self.config = config
+            self.model_config, self.hooks = resolve_model(config, PluginManager())
+            self._stats = SchedulerStats(0, 0, 0, 0)
+            self._loop = EngineProcess(config, self._on_report, self._on_exit)
+        # Its own tokenizer: the engine's is busy (and not safe to share) on the engine's thread.
+        self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "AsyncLLM":
-        return cls(LLMEngine(config))
-
-    # What the server and plugins may read; all fixed once the engine is built.
-    @property
-    def config(self) -> EngineConfig:
-        return self.engine.config
-
-    @property
-    def model_config(self) -> Any:
-        return self.engine.model_config
-
-    @property
-    def hooks(self) -> Any:
-        return self.engine.hooks
+        """The engine in a process of its own, built from ``config`` (plugins found by name)."""
+        return cls(config=config)
 
     @property
     def active_plugins(self) -> list[str]:
-        return self.engine.active_plugins
+        return self.hooks.plugin_names
 
     @property
     def is_running(self) -> bool:
         return not self._stopped.is_set()
 
     def get_stats(self) -> SchedulerStats:
-        """Running/waiting requests and KV use as of the last step or command (no waiting on a step)."""
+        """Running/waiting requests and KV use as of the last step (no waiting on a step)."""
         return self._stats
 
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run ``fn(engine)`` on the engine thread between steps; its exception reaches the caller."""
-        return await asyncio.wrap_future(self._submit(lambda: fn(self.engine)))
-
     def decode(self, token_ids: list[int]) -> str:
-        """Token ids to text from any thread: decoding reads the tokenizer and never changes it."""
-        return self.engine.tokenizer.decode(token_ids)
+        return self.tokenizer.decode(token_ids)
 
     def decode_token(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id])
+        return self.tokenizer.decode([token_id])
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self.call(lambda e: list(e.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]))
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     async def detokenize(self, token_ids: list[int]) -> str:
-        return await self.call(lambda e: e.tokenizer.decode(token_ids))
+        return self.tokenizer.decode(token_ids)
 
     async def render_chat(self, conversation: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
-        """``hookllm.chat.render_chat`` on the engine thread (the tokenizer is not shared across threads)."""
-        return await self.call(lambda e: render_chat(e, conversation, **kwargs))
+        """``hookllm.chat.render_chat`` with this side's tokenizer and hooks."""
+        return render_chat(self, conversation, **kwargs)
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its outputs as they come, each holding only the new tokens and text.
+        """Queue a request and yield its outputs as they come, each holding only what is new
+        (several steps' worth when the consumer fell behind).
 
         ``ValueError`` from ``add_request`` (bad input) is raised here before anything is yielded.
         Closing or cancelling the iterator before the request finishes aborts it at once.
@@ -140,17 +150,28 @@ class AsyncLLM:
         request_id = request_id or f"async-{next(self._ids)}"
         # Deltas never take text back: the engine holds back what a stop string may still cut.
         params = dataclasses.replace(params, output_kind="delta")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-
-        def add() -> None:
-            self.engine.add_request(request_id, prompt, params)
+        stream = _Stream(asyncio.get_running_loop())
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._stopped.is_set():
+                raise EngineDeadError("the engine is shut down")
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-
-        await asyncio.wrap_future(self._submit(add))
+            self._adding[request_id] = added
+        self._loop.send(("add", request_id, prompt, params))
         finished = False
         try:
+            await asyncio.wrap_future(added)
             while not finished:
                 item = await stream.queue.get()
+                # Whatever else is already queued goes out with it, as one delta.
+                while isinstance(item, RequestOutput) and not item.finished and not stream.queue.empty():
+                    later = stream.queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        stream.queue.put_nowait(later)  # after this delta (nothing else is queued)
+                        break
+                    item = merge_delta(item, later)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -163,102 +184,72 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Abort a request (from any thread): its blocks are freed before the next step; its
         consumer, if any, gets a final output with ``finish_reason="abort"``."""
-        if self._stopped.is_set():
-            return
-
-        def abort() -> None:
-            self.engine.abort_request(request_id)
+        with self._lock:
             stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                stream.put(RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], "abort")], True))
-
-        self._submit(abort)
+            self._adding.pop(request_id, None)
+        if stream is not None:
+            aborted = RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], finish_reason="abort")], True)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, aborted)
+        if not self._stopped.is_set():
+            self._loop.send(("abort", [request_id]))
 
     def shutdown(self) -> None:
-        """Stop the engine thread; requests still running are aborted and their consumers get an error."""
+        """Stop the engine loop; requests still running are aborted and their consumers get an error."""
         if self._stopped.is_set():
             return
-        self._stopped.set()
-        self._commands.put(None)  # wake the thread if it is waiting for a command
-        self._thread.join()
+        self._loop.close()
+        self._on_exit()
 
-    def _submit(self, fn: Callable[[], T]) -> "concurrent.futures.Future[T]":
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        if self._stopped.is_set():
-            future.set_exception(EngineDeadError("the engine is shut down"))
-        else:
-            self._commands.put((fn, future))
-        return future
+    def _on_report(self, report: EngineReport) -> None:
+        """On the engine thread or the reader thread: hand a step's outputs to their streams."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
 
-    def _run_commands(self, block: bool) -> None:
-        while True:
-            try:
-                command = self._commands.get(block=block)
-            except queue.Empty:
-                return
-            block = False
-            if command is None:
-                continue
-            fn, future = command
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - the caller's error, delivered to the caller
-                future.set_exception(exc)
+        def put(stream: _Stream, item: RequestOutput | BaseException) -> None:
+            batches.setdefault(stream.loop, []).append((stream.queue, item))
 
-    def _run(self) -> None:
-        try:
-            while not self._stopped.is_set():
-                # Idle: sleep on the queue until a command (or shutdown) arrives; no busy loop.
-                self._run_commands(block=not self.engine.has_unfinished_requests())
-                if self.engine.has_unfinished_requests() and not self._stopped.is_set():
-                    self._step()
-                self._stats = self.engine.get_stats()
-        finally:
-            self._close()
-
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - a plugin's error fails its requests, not the server
-            logger.exception("engine step failed")
-            # The engine does not say which requests the failed step held: fail every request it
-            # holds now (those running, and any waiting behind them) and free their blocks, as
-            # LLM.generate does; requests added afterwards run normally.
-            failed = [rid for rid in self._streams if self.engine.has_request(rid)]
-            self.engine.abort_request(failed)
-            error = EngineStepError(f"the engine step failed: {type(exc).__name__}: {exc}")
-            for rid in failed:
-                self._streams.pop(rid).put(error)
-            return
-        # One wake-up per event loop per step (not one per request): a step may hold hundreds.
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
-            if output.finished:
-                del self._streams[output.request_id]
-            batches.setdefault(stream.loop, []).append((stream.queue, output))
+        with self._lock:
+            for request_id, error in report.added:
+                future = self._adding.pop(request_id, None)
+                if future is None:
+                    continue  # aborted meanwhile
+                if error is None:
+                    future.set_result(None)
+                else:
+                    self._streams.pop(request_id, None)
+                    future.set_exception(rebuild_error(error))
+            if report.failed_ids:
+                failure = EngineStepError(report.failure)
+                for request_id in report.failed_ids:
+                    stream = self._streams.pop(request_id, None)
+                    if stream is not None:
+                        put(stream, failure)
+            for wire in report.outputs:
+                stream = self._streams.get(wire[0])
+                if stream is None:
+                    continue  # aborted: its consumer already has its last output
+                output = stream.unpack(wire)
+                if output.finished:
+                    del self._streams[wire[0]]
+                put(stream, output)
+        self._stats = report.stats
         for loop, items in batches.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # that event loop is closed: nobody is left to tell
                 pass
 
-    def _close(self) -> None:
-        """On the engine thread, at the end: abort what runs, fail waiting consumers and commands."""
-        self.engine.abort_request(list(self._streams))
-        self._stats = self.engine.get_stats()
+    def _on_exit(self) -> None:
+        """The loop has stopped (shut down, or its process died): fail whatever still waits."""
+        self._stopped.set()
         error = EngineDeadError("the engine is shut down")
-        for stream in self._streams.values():
-            stream.put(error)
-        self._streams.clear()
-        while True:
+        with self._lock:
+            streams, self._streams = self._streams, {}
+            adding, self._adding = self._adding, {}
+        for future in adding.values():
+            if not future.done():
+                future.set_exception(error)
+        for stream in streams.values():
             try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command is not None and command[1].set_running_or_notify_cancel():
-                command[1].set_exception(error)
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            except RuntimeError:
+                pass

@@ -57,7 +57,7 @@ def test_generate_yields_deltas_that_join_to_the_offline_output(engine, make_llm
     results = asyncio.run(asyncio.wait_for(both(), 30))
     for (text, ids, outputs), offline in zip(results, expected):
         assert (text, ids) == (offline.outputs[0].text, offline.outputs[0].token_ids)
-        assert all(len(o.outputs[0].token_ids) == 1 for o in outputs)  # one token per delta
+        assert all(o.outputs[0].token_ids for o in outputs)  # every delta brings tokens
         assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
 
 
@@ -110,10 +110,69 @@ def test_a_plugin_raising_mid_step_is_a_500_through_the_server(engine, make_llm)
     assert asyncio.run(asyncio.wait_for(run(), 30)) == expected
 
 
-def test_shutdown_stops_the_thread_and_refuses_new_requests(tiny_llama_dir):
+def test_a_slow_consumer_gets_the_deltas_that_piled_up_as_one(engine, make_llm):
+    expected = make_llm(num_kv_blocks=32).generate("Hello", greedy(12, ignore_eos=True))[0].outputs[0]
+
+    async def read_first_then_wait() -> list:
+        outputs = []
+        async for output in engine.generate("Hello", greedy(12, ignore_eos=True)):
+            outputs.append(output)
+            for _ in range(500):  # let the engine finish the request before reading on
+                if engine.get_stats().num_running_reqs == 0:
+                    break
+                await asyncio.sleep(0.01)
+        return outputs
+
+    first, rest = asyncio.run(asyncio.wait_for(read_first_then_wait(), 30))
+    assert first.outputs[0].token_ids + rest.outputs[0].token_ids == expected.token_ids
+    assert first.outputs[0].text + rest.outputs[0].text == expected.text
+    assert (first.finished, rest.finished, rest.outputs[0].finish_reason) == (False, True, "length")
+    assert rest.prompt_token_ids == first.prompt_token_ids
+
+
+@pytest.fixture(scope="module")
+def engine_process(tiny_llama_dir):
+    """An AsyncLLM whose engine runs in a process of its own, as the server's does."""
+    engine = AsyncLLM.from_engine_config(EngineConfig(str(tiny_llama_dir), device="cpu", dtype="float32",
+                                                      num_kv_blocks=32))
+    yield engine
+    engine.shutdown()
+
+
+def test_an_engine_process_gives_the_offline_outputs(engine_process, make_llm):
+    expected = make_llm(num_kv_blocks=32).generate(["Hello", "Bye now"], greedy(10))
+
+    async def both() -> list:
+        return await asyncio.gather(*(collect(engine_process, p, greedy(10)) for p in ["Hello", "Bye now"]))
+
+    for (text, ids, outputs), offline in zip(asyncio.run(asyncio.wait_for(both(), 60)), expected):
+        assert (text, ids) == (offline.outputs[0].text, offline.outputs[0].token_ids)
+        assert all(o.prompt_token_ids == offline.prompt_token_ids for o in outputs)
+
+
+def test_an_engine_process_refuses_bad_input_with_value_error(engine_process):
+    with pytest.raises(ValueError, match="max_model_len"):
+        asyncio.run(asyncio.wait_for(collect(engine_process, [5] * 10_000, greedy(4)), 30))
+
+
+def test_an_engine_process_that_dies_fails_its_requests_and_marks_the_server_down(tiny_llama_dir):
+    engine = AsyncLLM.from_engine_config(EngineConfig(str(tiny_llama_dir), device="cpu", dtype="float32",
+                                                      num_kv_blocks=8))
+
+    async def generate_while_killed() -> None:
+        async for _ in engine.generate("story", greedy(100, ignore_eos=True)):
+            engine._loop.process.kill()
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(asyncio.wait_for(generate_while_killed(), 60))
+    assert not engine.is_running
+    engine.shutdown()
+
+
+def test_shutdown_stops_the_engine_process_and_refuses_new_requests(tiny_llama_dir):
     engine = AsyncLLM.from_engine_config(EngineConfig(str(tiny_llama_dir), device="cpu", dtype="float32",
                                                       num_kv_blocks=8))
     engine.shutdown()
-    assert not engine._thread.is_alive()
+    assert engine._loop.process.exitcode == 0
     with pytest.raises(EngineDeadError):
         asyncio.run(collect(engine, "Hello", greedy(2)))

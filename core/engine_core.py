@@ -1,0 +1,288 @@
+"""The engine loop: commands in, one step at a time, outputs out, all as plain data.
+
+``EngineCore`` owns an ``LLMEngine`` and steps it while any request is unfinished; between steps
+it runs the commands its client sent (add, abort, shut down); idle, it blocks waiting for one.
+After each step it sends one ``EngineReport`` holding every request's new tokens and text.
+
+It runs in one of two places, with the same loop and the same messages:
+
+- ``EngineProcess``: a process of its own (what ``hookllm serve`` uses). The API server's event
+  loop and the engine's step then never wait for each other's GIL; messages cross a pipe.
+- ``EngineThread``: a thread of the caller's process, for an engine built in-process (plugins
+  given as objects, tests).
+
+Outputs travel as tuples, not ``RequestOutput`` objects: pickling a step's worth of dataclasses
+costs milliseconds, the tuples tens of microseconds. A request's prompt goes once, with its
+first output; the client puts the ``RequestOutput`` back together (``OutputStream.unpack``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from hookllm.config import EngineConfig
+from hookllm.engine import LLMEngine
+from hookllm.outputs import CompletionOutput, RequestOutput
+from hookllm.scheduler import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+# Commands, client to engine: ("add", request_id, prompt, params) | ("abort", [request_id, ...])
+# | ("shutdown",).
+Command = tuple
+# One output on the wire: (request_id, finished, head, completions, metrics), where head is
+# (prompt, prompt_token_ids, prompt_logprobs, num_cached_tokens) in a request's first output and
+# None after, completions is a list of (index, text, token_ids, cumulative_logprob, logprobs,
+# finish_reason, stop_reason), and metrics is the RequestMetrics of a finished request.
+WireOutput = tuple
+
+
+@dataclass
+class EngineReport:
+    """What one turn of the loop tells the client."""
+
+    stats: SchedulerStats
+    outputs: list[WireOutput] = field(default_factory=list)
+    # (request_id, None) for each request added, (request_id, (error type name, message)) if refused.
+    added: list[tuple[str, tuple[str, str] | None]] = field(default_factory=list)
+    # A failed step: the requests it failed and why.
+    failed_ids: list[str] = field(default_factory=list)
+    failure: str = ""
+    closed: bool = False  # the last report: the loop has stopped and aborted what was left
+
+
+def pack_output(output: RequestOutput, with_head: bool) -> WireOutput:
+    head = ((output.prompt, output.prompt_token_ids, output.prompt_logprobs, output.num_cached_tokens)
+            if with_head else None)
+    completions = [(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason)
+                   for c in output.outputs]
+    return output.request_id, output.finished, head, completions, output.metrics if output.finished else None
+
+
+def rebuild_error(error: tuple[str, str]) -> Exception:
+    """An exception raised in the engine, as the client raises it: bad input stays a ValueError."""
+    name, message = error
+    kinds = {"ValueError": ValueError, "TypeError": TypeError}
+    return kinds[name](message) if name in kinds else RuntimeError(f"{name}: {message}")
+
+
+class EngineCore:
+    """Steps ``engine`` between commands from ``receive`` and reports each turn through ``send``.
+
+    ``receive(block)`` returns the next command, or None when ``block`` is False and none is
+    waiting; ``send(report)`` delivers a report to the client.
+    """
+
+    def __init__(self, engine: LLMEngine, receive: Callable[[bool], Command | None],
+                 send: Callable[[EngineReport], None]):
+        self.engine = engine
+        self.receive = receive
+        self.send = send
+        self.headless: set[str] = set()  # requests whose first output (with the prompt) was sent
+
+    def run(self) -> None:
+        """Until a shutdown command (or the client is gone): commands, a step, a report."""
+        report = EngineReport(self.engine.get_stats())
+        try:
+            while self._run_commands(report, block=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    self._step(report)
+                report.stats = self.engine.get_stats()
+                self.send(report)
+                report = EngineReport(report.stats)
+        finally:
+            self.engine.abort_request(list(self.engine.scheduler.requests))
+            self.send(EngineReport(self.engine.get_stats(), closed=True))
+
+    def _run_commands(self, report: EngineReport, block: bool) -> bool:
+        """Run every waiting command (waiting for one if ``block``); False once told to stop."""
+        while (command := self.receive(block)) is not None:
+            block = False
+            kind = command[0]
+            if kind == "add":
+                _, request_id, prompt, params = command
+                try:
+                    self.engine.add_request(request_id, prompt, params)
+                    report.added.append((request_id, None))
+                except Exception as exc:  # noqa: BLE001 - bad input: the caller's error, sent back to it
+                    report.added.append((request_id, (type(exc).__name__, str(exc))))
+            elif kind == "abort":
+                self.engine.abort_request(command[1])
+                self.headless.difference_update(command[1])
+            elif kind == "shutdown":
+                return False
+            else:
+                raise ValueError(f"unknown engine command {kind!r}")
+        return True
+
+    def _step(self, report: EngineReport) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - a plugin's error fails its requests, not the server
+            logger.exception("engine step failed")
+            # The engine does not say which requests the failed step held: fail every request it
+            # holds now (those running and any waiting behind them) and free their blocks, as
+            # LLM.generate does; requests added afterwards run normally.
+            report.failed_ids = [rid for rid in self.engine.scheduler.requests]
+            report.failed_ids += [rid for rid in self.engine.parallel if rid not in report.failed_ids]
+            self.engine.abort_request(report.failed_ids)
+            self.headless.difference_update(report.failed_ids)
+            report.failure = f"the engine step failed: {type(exc).__name__}: {exc}"
+            return
+        for output in outputs:
+            rid = output.request_id
+            report.outputs.append(pack_output(output, with_head=rid not in self.headless))
+            if output.finished:
+                self.headless.discard(rid)
+            else:
+                self.headless.add(rid)
+
+
+class OutputStream:
+    """The client's side of one request: puts its wire outputs back into ``RequestOutput``s."""
+
+    def __init__(self) -> None:
+        self.head: tuple | None = None
+
+    def unpack(self, wire: WireOutput) -> RequestOutput:
+        request_id, finished, head, completions, metrics = wire
+        if head is not None:
+            self.head = head
+        prompt, prompt_token_ids, prompt_logprobs, num_cached_tokens = self.head
+        return RequestOutput(request_id, prompt, prompt_token_ids, [CompletionOutput(*c) for c in completions],
+                             finished, prompt_logprobs, metrics, num_cached_tokens)
+
+
+# --- where the loop runs -------------------------------------------------------------------------
+
+class EngineThread:
+    """The loop on a thread of this process, over an engine the caller built (and still owns)."""
+
+    def __init__(self, engine: LLMEngine, deliver: Callable[[EngineReport], None]):
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        core = EngineCore(engine, self._receive, deliver)
+        self.thread = threading.Thread(target=core.run, name="hookllm-engine", daemon=True)
+        self.thread.start()
+
+    def _receive(self, block: bool) -> Command | None:
+        try:
+            return self.commands.get(block=block)
+        except queue.Empty:
+            return None
+
+    def send(self, command: Command) -> None:
+        self.commands.put(command)
+
+    def close(self) -> None:
+        self.commands.put(("shutdown",))
+        self.thread.join()
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not build its engine (the message holds its traceback)."""
+
+
+class EngineProcess:
+    """The loop in a process of its own; a reader thread here hands its reports to ``deliver``."""
+
+    def __init__(self, config: EngineConfig, deliver: Callable[[EngineReport], None],
+                 on_exit: Callable[[], None]):
+        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        self.conn, child_conn = context.Pipe()
+        # Not a daemon: under tensor parallelism it starts the rank processes itself.
+        self.process = context.Process(target=_engine_process_main, args=(config, child_conn),
+                                       name="hookllm-engine-core")
+        self.process.start()
+        child_conn.close()
+        try:
+            status, error = self.conn.recv()
+        except EOFError:
+            status, error = "failed", None
+        if status != "ready":
+            self.process.join(10)
+            if error is None:
+                raise EngineStartError(f"the engine process exited with {self.process.exitcode}")
+            name, message, trace = error
+            # Bad settings (a ValueError naming the problem) stay what they are; anything else
+            # comes with the engine process's traceback.
+            raise rebuild_error((name, message)) if name in ("ValueError", "TypeError") else EngineStartError(trace)
+        self.send_lock = threading.Lock()
+        self.reader = threading.Thread(target=self._read, args=(deliver, on_exit), name="hookllm-engine-reader",
+                                       daemon=True)
+        self.reader.start()
+        # A caller that never shuts down must not hang its own exit: multiprocessing joins
+        # non-daemon children at exit, and this one waits for a command until its pipe closes.
+        atexit.register(self.close)
+
+    def _read(self, deliver: Callable[[EngineReport], None], on_exit: Callable[[], None]) -> None:
+        try:
+            while True:
+                report = self.conn.recv()
+                deliver(report)
+                if report.closed:
+                    return
+        except (EOFError, OSError):
+            logger.error("the engine process stopped unexpectedly (exit code %s)", self.process.exitcode)
+        finally:
+            on_exit()
+
+    def send(self, command: Command) -> None:
+        with self.send_lock:  # commands come from the event loop and from other threads
+            try:
+                self.conn.send(command)
+            except (BrokenPipeError, OSError):
+                pass  # the process is gone; the reader has failed every request
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        if self.conn.closed:
+            return
+        atexit.unregister(self.close)
+        self.send(("shutdown",))
+        self.reader.join(timeout_s)
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            logger.warning("the engine process did not stop within %.0f s; terminating it", timeout_s)
+            self.process.terminate()
+            self.process.join(10)
+        self.conn.close()
+
+
+def _engine_process_main(config: EngineConfig, conn: Any) -> None:
+    # Ctrl-C and SIGTERM reach the whole process group: the API server decides when the engine
+    # stops (after draining), by a shutdown command or by closing the pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        engine = LLMEngine(config)
+    except BaseException as exc:  # noqa: BLE001 - told to the parent, which raises it
+        conn.send(("failed", (type(exc).__name__, str(exc), traceback.format_exc())))
+        return
+    conn.send(("ready", None))
+
+    def receive(block: bool) -> Command | None:
+        if not block and not conn.poll():
+            return None
+        try:
+            return conn.recv()
+        except EOFError:  # the API server is gone: stop as if told to
+            return ("shutdown",)
+
+    def send(report: EngineReport) -> None:
+        try:
+            conn.send(report)
+        except (BrokenPipeError, OSError):
+            pass  # nobody is listening any more; the next receive sees the closed pipe
+
+    try:
+        EngineCore(engine, receive, send).run()
+    finally:
+        engine.shutdown()
