@@ -92,8 +92,12 @@ async def send_all(url: str, jobs: list[tuple[float, list[int], int]], start_at:
         return await asyncio.gather(*tasks)
 
 
-def client_process(url: str, jobs: list, start_at: float, results: "multiprocessing.Queue") -> None:
-    results.put(asyncio.run(send_all(url, jobs, start_at)))
+def client_process(url: str, jobs: list, ready: "multiprocessing.Queue", start_at: "multiprocessing.Queue",
+                   results: "multiprocessing.Queue") -> None:
+    import aiohttp  # noqa: F401 - imported before saying ready, not on the clock
+
+    ready.put(None)
+    results.put(asyncio.run(send_all(url, jobs, start_at.get())))
 
 
 def run_load(url: str, prompts, max_tokens, rate: float | None, num_clients: int) -> dict:
@@ -103,12 +107,16 @@ def run_load(url: str, prompts, max_tokens, rate: float | None, num_clients: int
     offsets = np.cumsum(gaps)
     jobs = [(float(t), p, n) for t, p, n in zip(offsets, prompts, max_tokens)]
     context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    start_at = time.time() + 3.0  # every client process is up and connected by then
-    clients = [context.Process(target=client_process, args=(url, jobs[i::num_clients], start_at, queue))
+    ready, start, queue = context.Queue(), context.Queue(), context.Queue()
+    clients = [context.Process(target=client_process, args=(url, jobs[i::num_clients], ready, start, queue))
                for i in range(num_clients)]
     for client in clients:
         client.start()
+    for _ in clients:  # the clock starts once every client has started up
+        ready.get()
+    start_at = time.time() + 0.1
+    for _ in clients:
+        start.put(start_at)
     results = [r for _ in clients for r in queue.get()]
     for client in clients:
         client.join()

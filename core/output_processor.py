@@ -109,12 +109,15 @@ class OutputProcessor:
             text, token_ids = text[state.sent_text:], token_ids[state.sent_tokens:]
             logprobs = logprobs[state.sent_tokens:] if logprobs is not None else None
             state.sent_text, state.sent_tokens = ready, len(request.output_token_ids)
+        else:  # the request's own lists go on growing: the output gets copies
+            token_ids, logprobs = list(token_ids), list(logprobs) if logprobs is not None else None
         completion = CompletionOutput(
-            index=0, text=text, token_ids=list(token_ids), cumulative_logprob=state.cumulative_logprob,
-            logprobs=list(logprobs) if logprobs is not None else None,
+            index=0, text=text, token_ids=token_ids, cumulative_logprob=state.cumulative_logprob, logprobs=logprobs,
             finish_reason=request.status.value if request.is_finished else None, stop_reason=request.stop_reason,
         )
-        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), [completion],
+        # The prompt's list is shared, not copied: a request's prompt ids never change (a plugin
+        # replaces them whole), and copying every prompt for every streamed step costs milliseconds.
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
                              request.is_finished, prompt_logprobs=state.prompt_logprobs, metrics=state.metrics,
                              num_cached_tokens=request.num_cached_tokens or 0)
 
