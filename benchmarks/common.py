@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 HBM_BYTES_PER_S = 4.3e12  # H200 HBM3e bandwidth: the physical limit's denominator (benchmarks/README.md)
+BF16_FLOP_PER_S = 790e12  # H200 dense bf16 tensor-core rate: the prefill part of the limit (benchmarks/README.md)
 
 SHAPES = {
     "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
@@ -23,6 +24,23 @@ SHAPES = {
                          num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
                          tie_word_embeddings=False, max_position_embeddings=4096, rope_theta=500000.0),
 }
+
+
+def head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def linear_params_per_layer(config: dict) -> int:
+    """Weights of one decoder layer's matmuls: the q, k, v and o projections and the gated MLP."""
+    h = config["hidden_size"]
+    q, kv = config["num_attention_heads"] * head_dim(config), config["num_key_value_heads"] * head_dim(config)
+    return h * (q + 2 * kv) + q * h + 3 * h * config["intermediate_size"]
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work (nothing to wait for on the CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def commit() -> str:

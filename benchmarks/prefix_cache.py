@@ -29,13 +29,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, add_out_argument, commit, device_name, now, random_checkpoint, write_result  # noqa: E402
+from common import (SHAPES, add_out_argument, commit, device_name, now, random_checkpoint, synchronize,  # noqa: E402
+                    write_result)
 from throughput import workload_a  # noqa: E402
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def timed_generate(llm, prompts: list[list[int]], max_tokens: list[int], caching: bool) -> tuple[float, list]:
@@ -46,10 +42,10 @@ def timed_generate(llm, prompts: list[list[int]], max_tokens: list[int], caching
     manager.reset_prefix_cache()
     manager.enable_prefix_caching = caching
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in max_tokens]
-    sync()
+    synchronize()
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    sync()
+    synchronize()
     return time.perf_counter() - start, outputs
 
 
@@ -101,11 +97,11 @@ def timed_generate_keep(llm, prompts, output_len: int, caching: bool) -> tuple[f
     from hookllm import SamplingParams
 
     llm.engine.block_manager.enable_prefix_caching = caching
-    sync()
+    synchronize()
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len))
-    sync()
+    synchronize()
     return time.perf_counter() - start, outputs
 
 
@@ -119,23 +115,23 @@ def beam_search_vs_transformers(llm, path: Path, args, vocab: int) -> dict:
     params = BeamSearchParams(beam_width=4, max_tokens=args.beam_tokens, ignore_eos=True)
     llm.engine.block_manager.enable_prefix_caching = True
     llm.beam_search({"prompt_token_ids": prompts[0]}, params)  # warm-up
-    sync()
+    synchronize()
     start = time.perf_counter()
     ours = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
-    sync()
+    synchronize()
     ours_s = time.perf_counter() - start
     device = llm.engine.worker.device
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=llm.engine.worker.dtype).to(device).eval()
     theirs, theirs_s, same = [], 0.0, 0
     for prompt, output in zip(prompts, ours):
         ids = torch.tensor([prompt], device=device)
-        sync()
+        synchronize()
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=4, num_return_sequences=4,
                                  do_sample=False, early_stopping=True, max_new_tokens=args.beam_tokens,
                                  min_new_tokens=args.beam_tokens, eos_token_id=None, pad_token_id=0)
-        sync()
+        synchronize()
         theirs_s += time.perf_counter() - start
         expected = [seq[len(prompt):].tolist() for seq in out]
         same += sum(s.tokens[len(prompt):] == e for s, e in zip(output.sequences, expected))

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_out_argument, commit, device_name, now, random_checkpoint, write_result  # noqa: E402
+from common import (add_out_argument, commit, device_name, now, random_checkpoint, synchronize,  # noqa: E402
+                    write_result)
 from throughput import workload_a  # noqa: E402
 
 SCHEMA = {"type": "array", "items": {"type": "string"}}
@@ -106,11 +107,6 @@ class MaskTimer:
                 "mask_ms_per_step_p50": 1e3 * statistics.median(own), "mask_ms_per_step_max": 1e3 * max(own),
                 "wait_ms_per_step_mean": 1e3 * statistics.fmean(self.waits or [0.0]),
                 "constrained_rows_per_step_mean": statistics.fmean(self.rows or [0])}
-
-
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def run(llm, prompts, params, name: str) -> dict:

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, add_out_argument, commit, device_name, now, write_result  # noqa: E402
+from common import (SHAPES, add_out_argument, commit, device_name, linear_params_per_layer, now,  # noqa: E402
+                    write_result)
 from throughput import physical_limit, workload_a  # noqa: E402
 
 SHAPES_70B = {
@@ -51,11 +52,10 @@ def config_only_checkpoint(shape: str, root: Path) -> Path:
 
 def weight_bytes(shape: str) -> int:
     s = ALL_SHAPES[shape]
-    h, i, v, layers = s["hidden_size"], s["intermediate_size"], s["vocab_size"], s["num_hidden_layers"]
-    q, kv = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-    embeddings = v * h * (1 if s["tie_word_embeddings"] else 2)
-    return 2 * (layers * per_layer + embeddings + h)
+    h = s["hidden_size"]
+    per_layer = linear_params_per_layer(s) + 2 * h  # + the two RMSNorm weights
+    embeddings = s["vocab_size"] * h * (1 if s["tie_word_embeddings"] else 2)
+    return 2 * (s["num_hidden_layers"] * per_layer + embeddings + h)
 
 
 def run_engine(shape: str, tp: int, enforce_eager: bool, prompts, max_tokens, args) -> dict:
@@ -214,14 +214,7 @@ def main() -> None:
 
 def physical_limit_tp(shape: str, prompts, max_tokens, tp: int) -> float:
     """Weights and live KV read once per decode step, over ``tp`` GPUs' bandwidth together."""
-    saved = SHAPES.get(shape)
-    SHAPES[shape] = ALL_SHAPES[shape]  # physical_limit reads the KV size per token from SHAPES
-    try:
-        limit = physical_limit(shape, prompts, max_tokens, weight_bytes(shape))["output_tok_s"]
-    finally:
-        if saved is None:
-            del SHAPES[shape]
-    return limit * tp
+    return tp * physical_limit(ALL_SHAPES[shape], prompts, max_tokens, weight_bytes(shape))["output_tok_s"]
 
 
 if __name__ == "__main__":

@@ -1,21 +1,31 @@
-"""Offline throughput (workload A) and latency (workload B) on one GPU, hookllm against its peers.
+"""Offline throughput (workloads A and short) and latency (workload B, batch 1) on one GPU, hookllm against its peers.
 
 Workload A (nano-vllm's): random.seed(0); 256 prompts of randint(100, 1024) token ids drawn
 from randint(0, 10000); then 256 max_tokens = randint(100, 1024); ignore_eos. Output tok/s =
 sum(max_tokens) / wall time, after one warm-up. Peers on the same saved weights, in the same
 process: transformers continuous batching and transformers static-batch ``generate``.
 
+Workload short: the same recipe with 2,048 requests and lengths randint(32, 320); hookllm only.
+``--repeat N`` times N calls of the workload on one engine, after the one warm-up.
+
 Workload B: requests arrive by a Poisson process at --rate req/s; time to first token and time
 per output token, p50 and p99.
 
-    python benchmarks/throughput.py --shape llama-3.2-1b [--skip-static] [--peer-requests 64]
+Workload latency: one request alone, a 3,000-token prompt and 256 greedy output tokens
+(ignore_eos), ``--repeat`` times (default 5); time to first token and time per output token
+from the request's metrics.
+
+    python benchmarks/throughput.py --shape llama-3.2-1b [--workload a|short|latency] [--repeat N] [--skip-static]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import heapq
+import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,36 +34,88 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (HBM_BYTES_PER_S, SHAPES, commit, device_name, now, print_engine_table,  # noqa: E402
-                    add_out_argument, random_checkpoint, write_result)
+from common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, add_out_argument, commit, device_name,  # noqa: E402
+                    head_dim, linear_params_per_layer, now, print_engine_table, random_checkpoint, synchronize,
+                    write_result)
+
+# Throughput workloads: name -> (label, lowest length, highest length, requests); prompts and
+# outputs draw their lengths from the same range.
+WORKLOADS = {"a": ("A", 100, 1024, 256), "short": ("short", 32, 320, 2048)}
+LATENCY_PROMPT_TOKENS = 3000
+LATENCY_OUTPUT_TOKENS = 256
 
 
-def workload_a(num_requests: int = 256) -> tuple[list[list[int]], list[int]]:
+def random_workload(name: str, num_requests: int | None = None) -> tuple[list[list[int]], list[int]]:
+    """random.seed(0); prompts of randint(low, high) token ids drawn from randint(0, 10000), then as
+    many max_tokens = randint(low, high); ``num_requests`` defaults to the workload's own count."""
+    _, low, high, default = WORKLOADS[name]
+    n = num_requests or default
     random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(num_requests)]
-    max_tokens = [random.randint(100, 1024) for _ in range(num_requests)]
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(low, high))] for _ in range(n)]
+    max_tokens = [random.randint(low, high) for _ in range(n)]
     return prompts, max_tokens
 
 
-def physical_limit(shape: str, prompts: list[list[int]], max_tokens: list[int], weight_bytes: int) -> dict:
-    """Output tok/s if every decode step only read the weights once plus the live KV, at HBM speed.
+def workload_a(num_requests: int = 256) -> tuple[list[list[int]], list[int]]:
+    return random_workload("a", num_requests)
 
-    All requests decode together from step 0 (prefill is free); step t reads the weights and
-    the K/V of every request still running at its current length.
+
+def describe(name: str, num_requests: int) -> str:
+    label, low, high, _ = WORKLOADS[name]
+    return f"{label}: {num_requests} requests, input/output uniform [{low}, {high}], ignore_eos"
+
+
+def latency_prompt() -> list[int]:
+    random.seed(0)
+    return [random.randint(0, 10000) for _ in range(LATENCY_PROMPT_TOKENS)]
+
+
+def kv_bytes_per_token(config: dict) -> int:
+    """K and V of every layer in bf16."""
+    return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim(config) * 2
+
+
+def decode_steps(max_tokens: list[int], max_batch: int) -> int:
+    """Decode steps until every request is done, one token per running request per step, at most
+    ``max_batch`` running at once: each waiting request takes the first place that frees up."""
+    free_at = [0] * min(max_batch, len(max_tokens))  # a heap: the step each place frees up
+    for n in max_tokens:
+        heapq.heappush(free_at, heapq.heappop(free_at) + n)
+    return max(free_at)
+
+
+def prefill_flops(config: dict, prompts: list[list[int]]) -> float:
+    """Matmul FLOPs of the prompts' forward passes: 2 x the layers' linear weights per prompt token,
+    causal attention (QK^T and PV: 4 x query width per key a query sees, per layer), and one
+    lm_head row per prompt (only the last position is sampled)."""
+    layers, tokens = config["num_hidden_layers"], sum(len(p) for p in prompts)
+    causal_pairs = sum(len(p) * (len(p) + 1) // 2 for p in prompts)
+    q_width = config["num_attention_heads"] * head_dim(config)
+    return (2.0 * layers * linear_params_per_layer(config) * tokens + 4.0 * layers * q_width * causal_pairs
+            + 2.0 * config["vocab_size"] * config["hidden_size"] * len(prompts))
+
+
+def physical_limit(config: dict, prompts: list[list[int]], max_tokens: list[int], weight_bytes: int,
+                   max_batch: int | None = None) -> dict:
+    """Output tok/s the GPU allows: decode only, and with the prompts' prefill added.
+
+    Decode only: every decode step reads the weights once plus the K/V of every running request
+    at its current length, at HBM speed; at most ``max_batch`` requests run at once (default: all),
+    and prefill is free. With prefill: the prompts' FLOPs (``prefill_flops``) at the dense bf16
+    rate are added, not overlapped with decoding.
     """
-    s = SHAPES[shape]
-    kv_bytes_per_token = s["num_hidden_layers"] * 2 * s["num_key_value_heads"] * s["head_dim"] * 2
-    steps = max(max_tokens)
-    total = 0.0
-    inputs = np.asarray([len(p) for p in prompts])
-    outs = np.asarray(max_tokens)
-    for t in range(steps):
-        live = outs > t
-        total += weight_bytes + float((inputs[live] + t).sum()) * kv_bytes_per_token
-    seconds = total / HBM_BYTES_PER_S
-    return {"output_tok_s": sum(max_tokens) / seconds, "weight_bytes": weight_bytes,
-            "kv_bytes_per_token": kv_bytes_per_token, "decode_steps": steps, "hbm_bytes_per_s": HBM_BYTES_PER_S,
-            "bytes_read": total}
+    kv_per_token = kv_bytes_per_token(config)
+    steps = decode_steps(max_tokens, max_batch or len(max_tokens))
+    # A request reads its K/V at lengths len(p), ..., len(p) + n - 1, whichever steps it runs in.
+    kv_tokens_read = sum(n * len(p) + n * (n - 1) // 2 for p, n in zip(prompts, max_tokens))
+    total = float(steps * weight_bytes + kv_tokens_read * kv_per_token)
+    flops = prefill_flops(config, prompts)
+    decode_s, prefill_s = total / HBM_BYTES_PER_S, flops / BF16_FLOP_PER_S
+    return {"output_tok_s": sum(max_tokens) / decode_s,
+            "output_tok_s_with_prefill": sum(max_tokens) / (decode_s + prefill_s),
+            "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token, "decode_steps": steps,
+            "max_batch": max_batch, "hbm_bytes_per_s": HBM_BYTES_PER_S, "bytes_read": total,
+            "prefill_flops": flops, "bf16_flop_per_s": BF16_FLOP_PER_S}
 
 
 def summarize(name: str, seconds: float, prompts: list[list[int]], max_tokens: list[int]) -> dict:
@@ -64,20 +126,81 @@ def summarize(name: str, seconds: float, prompts: list[list[int]], max_tokens: l
     return row
 
 
-def run_hookllm(path: Path, prompts, max_tokens, enforce_eager: bool, args) -> tuple[dict, object]:
+def engine_kwargs(args) -> dict:
+    return dict(device="cpu", dtype="float32") if args.tiny else {}
+
+
+def start_llm(path: Path, args, max_model_len: int, enforce_eager: bool = False) -> tuple[object, dict]:
+    """The engine after one warm-up call, and the seconds it took to build and to warm up."""
     from hookllm import LLM, SamplingParams
 
-    llm = LLM(str(path), max_model_len=2048 + 64, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=enforce_eager)
-    llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=8))  # warm-up
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
-    torch.cuda.synchronize()
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    torch.cuda.synchronize()
-    row = summarize("hookllm" + (" eager" if enforce_eager else ""), time.perf_counter() - start, prompts, max_tokens)
+    llm = LLM(str(path), max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=enforce_eager, **engine_kwargs(args))
+    built = time.perf_counter()
+    llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=8), use_tqdm=False)
+    synchronize()
+    return llm, {"llm_init_s": built - start, "warmup_s": time.perf_counter() - built}
+
+
+def timed_call(llm, prompts: list[list[int]], params) -> float:
+    """Seconds of one ``generate`` call."""
+    synchronize()
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    synchronize()
+    return time.perf_counter() - start
+
+
+def repeat_stats(walls: list[float], output_tokens: int) -> dict:
+    """Every timed call's output tok/s, slowest over fastest, and the first call's wall time over the second's."""
+    stats = {"repeat": len(walls), "calls_output_tok_s": [output_tokens / s for s in walls], "calls_wall_s": walls,
+             "slowest_over_fastest": max(walls) / min(walls)}
+    if len(walls) > 1:
+        stats["first_over_second"] = walls[0] / walls[1]
+    return stats
+
+
+def run_hookllm(path: Path, prompts, max_tokens, enforce_eager: bool, args) -> tuple[dict, object]:
+    """``args.repeat`` timed calls of the workload on one engine; the row's rates are the median call's."""
+    from hookllm import SamplingParams
+
+    name = "hookllm" + (" eager" if enforce_eager else "")
+    llm, startup = start_llm(path, args, 2048 + 64, enforce_eager)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    walls = []
+    for i in range(args.repeat):
+        walls.append(timed_call(llm, prompts, params))
+        print(f"{name} call {i + 1}/{args.repeat}: {sum(max_tokens) / walls[-1]:.0f} output tok/s, "
+              f"{walls[-1]:.2f}s", flush=True)
+    median = statistics.median_low(walls)  # of an even count, the faster middle call
+    row = summarize(name if args.repeat == 1 else f"{name} median call", median, prompts, max_tokens)
+    row.update(repeat_stats(walls, sum(max_tokens)))
+    row["startup"] = {**startup, "first_call_s": walls[0]}
     row["kv_cache_tokens"] = llm.engine.block_manager.num_blocks * llm.engine.config.block_size
     return row, llm
+
+
+def run_batch1_latency(path: Path, prompt: list[int], args) -> dict:
+    """One request alone, ``args.repeat`` times: time to first token and decode time per output token,
+    from the request's metrics (engine-side wall clock, as a streaming client would see them)."""
+    from hookllm import SamplingParams
+
+    llm, startup = start_llm(path, args, 4096)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=LATENCY_OUTPUT_TOKENS)
+    calls = []
+    for i in range(args.repeat):
+        start = time.perf_counter()
+        output = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        e2e_s = time.perf_counter() - start
+        m, decoded = output.metrics, len(output.outputs[0].token_ids) - 1
+        calls.append({"ttft_ms": 1e3 * (m.first_token_time - m.arrival_time),
+                      "tpot_ms": 1e3 * (m.last_token_time - m.first_token_time) / decoded, "e2e_ms": 1e3 * e2e_s})
+        print(f"call {i + 1}/{args.repeat}: TTFT {calls[-1]['ttft_ms']:.1f} ms, TPOT {calls[-1]['tpot_ms']:.3f} ms, "
+              f"end to end {calls[-1]['e2e_ms']:.0f} ms", flush=True)
+    row = {key + "_p50": statistics.median(c[key] for c in calls) for key in ("ttft_ms", "tpot_ms", "e2e_ms")}
+    row.update(calls=calls, startup={**startup, "first_call_s": calls[0]["e2e_ms"] / 1e3})
+    return row
 
 
 def run_latency(llm, prompts, max_tokens, rate: float, num_requests: int) -> dict:
@@ -122,10 +245,10 @@ def load_transformers(path: Path):
 def timed_peer(name: str, run, prompts, max_tokens) -> dict:
     """Warm ``run(prompts, max_tokens)`` up on two short requests, then time it on the workload."""
     run(prompts[:2], [8, 8])
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     run(prompts, max_tokens)
-    torch.cuda.synchronize()
+    synchronize()
     return summarize(name, time.perf_counter() - start, prompts, max_tokens)
 
 
@@ -168,11 +291,119 @@ def run_transformers_static(path: Path, prompts, max_tokens, batch_size: int) ->
     return timed_peer("transformers_static", run, prompts, max_tokens)
 
 
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def checkpoint(args) -> Path:
+    """The saved random checkpoint of ``--shape``, or with ``--tiny`` a tiny random Llama."""
+    if not args.tiny:
+        return random_checkpoint(args.shape, Path(args.root))
+    from hookllm import testing
+
+    path = Path(args.root) / "tiny"
+    if not (path / "config.json").exists():
+        testing.build_tiny_checkpoint(testing.tiny_llama_config(max_position_embeddings=4096), path)
+    return path
+
+
+def run_throughput(path: Path, config: dict, weight_bytes: int, payload: dict, args) -> None:
+    """Workload A or short: hookllm (``--repeat`` calls), workload B, the eager engine and, on A, the peers."""
+    prompts, max_tokens = random_workload(args.workload, args.num_requests)
+    prompts = [[t % config["vocab_size"] for t in p] for p in prompts]  # --tiny's vocabulary is small
+    limit = physical_limit(config, prompts, max_tokens, weight_bytes, args.max_num_seqs)
+    with_peers = args.workload == "a" and not args.tiny
+    n_peer = args.peer_requests or len(prompts)
+    results: dict[str, dict] = {}
+    payload.update(workload=describe(args.workload, len(prompts))
+                   + (f"; peers on the first {n_peer}" if with_peers and n_peer != len(prompts) else ""),
+                   results=results, physical_limit_output_tok_s=limit["output_tok_s"],
+                   physical_limit_with_prefill_output_tok_s=limit["output_tok_s_with_prefill"],
+                   physical_limit_inputs=limit)
+    name = f"throughput-{payload['model']}" + ("" if args.workload == "a" else f"-{args.workload}")
+
+    def save() -> None:  # after every engine, so a run cut short keeps what it measured
+        write_result(name, payload, args.out)
+
+    results["hookllm"], llm = run_hookllm(path, prompts, max_tokens, False, args)
+    save()
+    if args.latency_rate:
+        results["hookllm"]["latency"] = run_latency(llm, prompts, max_tokens, args.latency_rate, args.latency_requests)
+        save()
+    del llm
+    free_memory()
+    if args.eager_too:
+        results["hookllm_eager"], llm = run_hookllm(path, prompts, max_tokens, True, args)
+        save()
+        del llm
+        free_memory()
+    peers = [("transformers_cb", args.skip_cb, lambda: run_transformers_cb(path, prompts[:n_peer], max_tokens[:n_peer])),
+             ("transformers_static", args.skip_static,
+              lambda: run_transformers_static(path, prompts[:n_peer], max_tokens[:n_peer], args.static_batch_size))]
+    for peer, skip, run in peers:
+        if skip or not with_peers:
+            continue
+        try:
+            results[peer] = run()
+        except Exception as exc:  # a peer's failure is reported, never hides hookllm's numbers
+            results[peer] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"{peer} failed: {results[peer]['error']}", flush=True)
+        save()
+        free_memory()
+    ours = results["hookllm"]
+    print(f"\n{payload['model']} on {payload['device']} ({payload['commit']}), workload {payload['workload']}")
+    print(f"physical limit {limit['output_tok_s']:.0f} tok/s decoding only (steps x weight bytes + KV bytes at "
+          f"{HBM_BYTES_PER_S:.2g} B/s), {limit['output_tok_s_with_prefill']:.0f} tok/s with the prompts' "
+          f"{limit['prefill_flops']:.3g} FLOPs at {BF16_FLOP_PER_S:.3g} FLOP/s")
+    print_engine_table(results, [("out tok/s", "output_tok_s", ".0f"), ("total tok/s", "total_tok_s", ".0f"),
+                                 ("req/s", "requests_s", ".2f"), ("wall s", "wall_s", ".1f")])
+    print(f"hookllm reaches {ours['output_tok_s'] / limit['output_tok_s']:.1%} of the decode limit and "
+          f"{ours['output_tok_s'] / limit['output_tok_s_with_prefill']:.1%} of the limit with prefill; "
+          f"KV cache {ours['kv_cache_tokens']} tokens")
+    if args.repeat > 1:
+        print(f"{args.repeat} calls: " + ", ".join(f"{r:.0f}" for r in ours["calls_output_tok_s"])
+              + f" tok/s; slowest / fastest {ours['slowest_over_fastest']:.3f}, "
+              f"first / second (wall) {ours['first_over_second']:.3f}")
+    print_startup(ours["startup"])
+    if "latency" in ours:
+        print("latency:", {k: round(v, 2) for k, v in ours["latency"].items()})
+
+
+def run_latency_workload(path: Path, config: dict, weight_bytes: int, payload: dict, args) -> None:
+    """Workload latency: batch-1 TTFT and TPOT beside their limits."""
+    prompt = [t % config["vocab_size"] for t in latency_prompt()]
+    limit = physical_limit(config, [prompt], [LATENCY_OUTPUT_TOKENS], weight_bytes)
+    # TTFT: the prompt's FLOPs at the bf16 rate; a decode step: the weights and the request's K/V at HBM speed.
+    limits = {"ttft_ms": 1e3 * limit["prefill_flops"] / BF16_FLOP_PER_S,
+              "tpot_ms": 1e3 * limit["bytes_read"] / limit["decode_steps"] / HBM_BYTES_PER_S}
+    payload.update(workload=f"latency: one request, {LATENCY_PROMPT_TOKENS}-token prompt, {LATENCY_OUTPUT_TOKENS} "
+                            f"greedy output tokens, ignore_eos, {args.repeat} calls",
+                   limits=limits, limit_inputs=limit)
+    payload["results"] = row = run_batch1_latency(path, prompt, args)
+    write_result(f"latency-{payload['model']}", payload, args.out)
+    print(f"\n{payload['model']} on {payload['device']} ({payload['commit']}), {payload['workload']}")
+    print(f"{'':<26}{'measured p50':>14}{'limit':>10}{'share':>8}")
+    for key, label in (("ttft_ms", "time to first token"), ("tpot_ms", "time per output token")):
+        measured = row[key + "_p50"]
+        print(f"{label + ' ms':<26}{measured:>14.3f}{limits[key]:>10.3f}{limits[key] / measured:>8.1%}")
+    print_startup(row["startup"])
+
+
+def print_startup(startup: dict) -> None:
+    print(f"start-up: LLM() {startup['llm_init_s']:.1f}s, warm-up call {startup['warmup_s']:.1f}s, "
+          f"first timed call {startup['first_call_s']:.2f}s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
+    parser.add_argument("--tiny", action="store_true", help="a tiny random Llama on the CPU (smoke test)")
     parser.add_argument("--root", default="/tmp/hookllm-bench")
-    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--workload", default="a", choices=[*WORKLOADS, "latency"])
+    parser.add_argument("--repeat", type=int, default=None,
+                        help="timed calls on one engine after its warm-up (default 1; 5 for --workload latency)")
+    parser.add_argument("--num-requests", type=int, default=None, help="default: 256 for A, 2048 for short")
     parser.add_argument("--peer-requests", type=int, default=None,
                         help="run the transformers peers on only the first N requests (device time)")
     parser.add_argument("--skip-cb", action="store_true")
@@ -185,58 +416,15 @@ def main() -> None:
     parser.add_argument("--latency-requests", type=int, default=128)
     add_out_argument(parser)
     args = parser.parse_args()
+    args.repeat = args.repeat or (5 if args.workload == "latency" else 1)
 
-    path = random_checkpoint(args.shape, Path(args.root))
+    path = checkpoint(args)
+    config = json.loads((path / "config.json").read_text())
     weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    prompts, max_tokens = workload_a(args.num_requests)
-    limit = physical_limit(args.shape, prompts, max_tokens, weight_bytes)
-    n_peer = args.peer_requests or args.num_requests
-    results: dict[str, dict] = {}
-    payload = {"device": device_name(), "date": now(), "commit": commit(),
-               "workload": f"A: {args.num_requests} requests, input/output uniform [100, 1024], ignore_eos"
-                           + (f"; peers on the first {n_peer}" if n_peer != args.num_requests else ""),
-               "model": args.shape, "results": results,
-               "physical_limit_output_tok_s": limit["output_tok_s"], "physical_limit_inputs": limit}
-
-    def save() -> None:  # after every engine, so a run cut short keeps what it measured
-        write_result(f"throughput-{args.shape}", payload, args.out)
-
-    results["hookllm"], llm = run_hookllm(path, prompts, max_tokens, False, args)
-    save()
-    if args.latency_rate:
-        results["hookllm"]["latency"] = run_latency(llm, prompts, max_tokens, args.latency_rate, args.latency_requests)
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    if args.eager_too:
-        results["hookllm_eager"], llm = run_hookllm(path, prompts, max_tokens, True, args)
-        save()
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-    peers = [("transformers_cb", args.skip_cb, lambda: run_transformers_cb(path, prompts[:n_peer], max_tokens[:n_peer])),
-             ("transformers_static", args.skip_static,
-              lambda: run_transformers_static(path, prompts[:n_peer], max_tokens[:n_peer], args.static_batch_size))]
-    for name, skip, run in peers:
-        if skip:
-            continue
-        try:
-            results[name] = run()
-        except Exception as exc:  # a peer's failure is reported, never hides hookllm's numbers
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-            print(f"{name} failed: {results[name]['error']}", flush=True)
-        save()
-        gc.collect()
-        torch.cuda.empty_cache()
-    ours = results["hookllm"]["output_tok_s"]
-    print(f"\n{args.shape} on {payload['device']} ({payload['commit']}); physical limit "
-          f"{limit['output_tok_s']:.0f} tok/s = sum(max_tokens) / ((steps * weight_bytes + sum KV bytes) / 4.3e12)")
-    print_engine_table(results, [("out tok/s", "output_tok_s", ".0f"), ("total tok/s", "total_tok_s", ".0f"),
-                                 ("req/s", "requests_s", ".2f"), ("wall s", "wall_s", ".1f")])
-    print(f"hookllm reaches {ours / limit['output_tok_s']:.1%} of the physical limit; "
-          f"KV cache {results['hookllm']['kv_cache_tokens']} tokens")
-    if "latency" in results["hookllm"]:
-        print("latency:", {k: round(v, 2) for k, v in results["hookllm"]["latency"].items()})
+    payload = {"device": device_name(), "date": now(), "commit": commit(), "workload_name": args.workload,
+               "model": "tiny" if args.tiny else args.shape}
+    run = run_latency_workload if args.workload == "latency" else run_throughput
+    run(path, config, weight_bytes, payload, args)
 
 
 if __name__ == "__main__":

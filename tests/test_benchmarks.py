@@ -1,0 +1,65 @@
+"""The GPU benchmarks' CPU-side parts: workloads, physical limits and the charts of the committed results."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def throughput():
+    saved = list(sys.path)  # the script puts benchmarks/ first on the path to import its neighbours
+    try:
+        spec = importlib.util.spec_from_file_location("throughput", BENCHMARKS / "throughput.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module
+
+
+def test_workload_a_is_unchanged(throughput):
+    prompts, max_tokens = throughput.workload_a()
+    assert len(prompts) == 256
+    assert (sum(map(len, prompts)), sum(max_tokens)) == (142827, 133966)
+
+
+def test_short_workload_is_seeded_and_in_range(throughput):
+    prompts, max_tokens = throughput.random_workload("short")
+    assert (prompts, max_tokens) == throughput.random_workload("short")
+    assert len(prompts) == len(max_tokens) == 2048
+    assert all(32 <= len(p) <= 320 for p in prompts) and all(32 <= n <= 320 for n in max_tokens)
+    assert all(0 <= t <= 10000 for p in prompts for t in p)
+
+
+def test_decode_steps_admit_waiting_requests_as_places_free_up(throughput):
+    assert throughput.decode_steps([3, 3, 3], max_batch=3) == 3
+    assert throughput.decode_steps([3, 3, 3], max_batch=2) == 6
+    assert throughput.decode_steps([5, 1, 1], max_batch=2) == 5
+
+
+def test_physical_limit_reproduces_the_recorded_decode_limits(throughput):
+    prompts, max_tokens = throughput.workload_a()
+    checked = 0
+    for path in BENCHMARKS.glob("results/throughput-*.json"):
+        run = json.loads(path.read_text())
+        if "physical_limit_inputs" not in run or run.get("workload_name", "a") != "a":
+            continue
+        limit = throughput.physical_limit(throughput.SHAPES[run["model"]], prompts, max_tokens,
+                                          run["physical_limit_inputs"]["weight_bytes"], max_batch=256)
+        assert limit["output_tok_s"] == pytest.approx(run["physical_limit_output_tok_s"], rel=1e-9)
+        assert limit["output_tok_s_with_prefill"] < limit["output_tok_s"]
+        checked += 1
+    assert checked >= 3
+
+
+def test_plots_draw_the_committed_results(tmp_path):
+    subprocess.run([sys.executable, str(BENCHMARKS / "plots.py"), "--out", str(tmp_path)], check=True,
+                   capture_output=True)
+    for name in ("throughput.png", "step-breakdown.png", "progress.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
