@@ -94,3 +94,12 @@ def test_seeded_sampling_on_cuda_equals_cpu(small_llama):
     gpu = LLM(str(small_llama), gpu_memory_utilization=0.3, dtype="float32").generate(prompt, params)
     cpu = LLM(str(small_llama), device="cpu", dtype="float32").generate(prompt, params)
     assert gpu[0].outputs[0].token_ids == cpu[0].outputs[0].token_ids
+
+
+def test_seeded_sampling_of_a_batch_on_cuda_equals_cpu(small_llama):
+    # Every row samples at its own temperature (the kernel once read the sampler's other parameters).
+    params = [SamplingParams(max_tokens=8, temperature=0.8, seed=seed, ignore_eos=True) for seed in range(6)]
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8, 9]} for i in range(6)]
+    gpu = LLM(str(small_llama), gpu_memory_utilization=0.3, dtype="float32").generate(prompts, params)
+    cpu = LLM(str(small_llama), device="cpu", dtype="float32").generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]
