@@ -15,6 +15,9 @@ from hookllm.warmup import PROMPT_LOGPROBS, SAMPLER_PATHS, warm_up, warmup_steps
 
 # Small limits keep the warm-up short on the CPU.
 LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=64)
+# The 1B shape's: 8192-token budget, 4096 positions, 256 requests.
+DEFAULT_SIZES = batch_size_buckets(256)
+DEFAULT_STEPS = warmup_steps(8192, 4096, 16, DEFAULT_SIZES)
 
 
 def next_power_of_two(n: int) -> int:
@@ -32,20 +35,30 @@ def test_warmup_steps_stay_within_the_token_budget_and_the_model_length(budget, 
             assert row.context + row.query + step.then_decode <= max_model_len - 1
 
 
-def test_warmup_steps_meet_every_query_tile_token_parity_decode_size_and_sampler_path():
-    sizes = batch_size_buckets(256)
-    steps = warmup_steps(8192, 4096, 16, sizes)
-    longest = [max(row.query for row in step.rows) for step in steps]
-    fresh = {next_power_of_two(q) for q, step in zip(longest, steps) if all(r.context == 0 for r in step.rows)}
-    after_context = {next_power_of_two(q) for q, step in zip(longest, steps) if all(r.context > 0 for r in step.rows)}
+def test_warmup_prefills_every_query_tile_fresh_and_after_cached_context():
+    longest = [(max(row.query for row in step.rows), step) for step in DEFAULT_STEPS]
+    fresh = {next_power_of_two(q) for q, step in longest if all(row.context == 0 for row in step.rows)}
+    after_context = {next_power_of_two(q) for q, step in longest if all(row.context > 0 for row in step.rows)}
     tiles = {2 ** k for k in range(1, 13)}  # 2 .. 4096
     assert tiles <= fresh and tiles <= after_context
-    assert {sum(row.query for row in step.rows) % 2 for step in steps if max(r.query for r in step.rows) > 1} == {0, 1}
-    decodes = {len(step.rows) for step in steps if step.then_decode}
-    assert decodes == set(sizes)
-    seq_lens = {row.context + 1 for step in steps for row in step.rows if len(step.rows) == 1 and row.query == 1}
+
+
+def test_warmup_runs_eager_steps_of_even_and_odd_token_counts():
+    eager = [step for step in DEFAULT_STEPS if max(row.query for row in step.rows) > 1]
+    assert {sum(row.query for row in step.rows) % 2 for step in eager} == {0, 1}
+
+
+def test_warmup_decodes_at_every_batch_size_then_from_the_token_in_flight():
+    assert {len(step.rows) for step in DEFAULT_STEPS if step.then_decode} == set(DEFAULT_SIZES)
+
+
+def test_warmup_decodes_at_power_of_two_sequence_lengths_up_to_the_longest():
+    seq_lens = {step.rows[0].context + 1 for step in DEFAULT_STEPS if len(step.rows) == 1 and step.rows[0].query == 1}
     assert {2 ** k for k in range(5, 12)} | {4095} <= seq_lens  # 32 .. 4095: each split of a long context
-    params = [row.params for step in steps for row in step.rows]
+
+
+def test_warmup_runs_every_sampler_path():
+    params = [row.params for step in DEFAULT_STEPS for row in step.rows]
     assert all(p in params for p in SAMPLER_PATHS + (PROMPT_LOGPROBS,))
 
 
