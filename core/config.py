@@ -111,6 +111,8 @@ class EngineConfig:
     attention_backend: str = _option("auto", "attention kernels", choices=["auto", "torch", "triton"])
     enforce_eager: bool = _option(False, "CUDA: no CUDA graphs for decode steps")
     max_cuda_graph_batch_size: int = _option(512, "largest decode batch captured in a CUDA graph")
+    warmup: bool = _option(True, "CUDA: at start-up, run synthetic steps that compile every kernel variant and "
+                           "replay every CUDA graph, so no request waits for a compile")
     # Schedule step n+1 while the device runs step n (outputs lag one step).
     async_scheduling: bool | None = _option(None, "schedule the next step while the device runs this one (default: on for CUDA)")
     seed: int = _option(0, "seed of the engine's sampling generator")

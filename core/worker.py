@@ -20,6 +20,7 @@ from hookllm.model_runner import ModelRunner, StepOutput
 from hookllm.plugins.manager import ActiveHooks, PluginManager
 from hookllm.registry import ModelRegistry
 from hookllm.scheduler_output import SchedulerOutput
+from hookllm.warmup import warm_up
 
 
 def resolve_model(config: EngineConfig, plugin_manager: PluginManager) -> tuple[ModelConfig, ActiveHooks]:
@@ -78,6 +79,8 @@ class Worker:
                 max_blocks_per_seq=-(-model_config.max_model_len // config.block_size),
                 max_model_len=model_config.max_model_len, backend=self.attention_backend,
             )
+        # Compiling on first use would land in the first requests' latency (hookllm.warmup).
+        self.warmup_seconds = warm_up(self) if config.warmup and self.device.type == "cuda" else None
 
     @property
     def block_bytes(self) -> int:

@@ -5,6 +5,7 @@
 kernels, and ``"auto"`` picks Triton on CUDA and torch elsewhere. ``ops_for(tensor)`` returns
 the module with ``rms_norm``, ``apply_rotary``, ``silu_and_mul`` and ``sample_with_noise`` for
 that tensor's device: the Triton kernels on CUDA, their torch references elsewhere.
+``compiled_triton_variants()`` counts the Triton kernel variants compiled so far.
 """
 
 from __future__ import annotations
@@ -50,3 +51,17 @@ def ops_for(tensor: torch.Tensor) -> ModuleType:
     from hookllm.kernels import reference
 
     return reference
+
+
+def compiled_triton_variants() -> int:
+    """How many variants of hookllm's Triton kernels this process has compiled (or loaded from
+    Triton's cache), on every device. A diagnostic: after the start-up warm-up, serving should
+    add none. 0 under the Triton interpreter, which compiles nothing."""
+    from triton.runtime.jit import JITFunction
+
+    from hookllm.kernels import triton_attention, triton_ops
+
+    kernels = [fn for module in (triton_attention, triton_ops) for fn in vars(module).values()
+               if isinstance(fn, JITFunction)]
+    # device_caches: per device, (kernel cache by specialization key, ...).
+    return sum(len(caches[0]) for fn in kernels for caches in fn.device_caches.values())

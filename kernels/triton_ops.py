@@ -133,6 +133,8 @@ def _sample_with_noise_kernel(logits_ptr, noise_ptr, temperature_ptr, out_ptr, v
 def sample_with_noise(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    # The kernel reads temperature[row] at row: a strided view (the sampler's params[:, 0]) is copied.
+    temperature = temperature.contiguous()
     if rows:
         _sample_with_noise_kernel[(rows,)](logits, noise, temperature, out, vocab, logits.stride(0), noise.stride(0),
                                            BLOCK=min(BLOCK, triton.next_power_of_2(vocab)))

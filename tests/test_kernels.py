@@ -227,6 +227,19 @@ def test_sample_with_noise_kernel_matches_reference(vocab, dtype):
     assert torch.equal(expected[1::2], logits[1::2].float().argmax(dim=-1))  # greedy rows ignore the noise
 
 
+def test_sample_with_noise_kernel_reads_each_row_temperature_from_a_strided_view():
+    from hookllm.kernels import triton_ops
+
+    logits, _, noise = sampling_inputs(8, 97, torch.float32)
+    # The sampler passes column 0 of its [rows, 4] parameter table; the other columns read as
+    # temperatures would make rows greedy.
+    table = torch.zeros(8, 4)
+    table[:, 0] = 5.0
+    expected = reference.sample_with_noise(logits, table[:, 0].clone(), noise)
+    assert not torch.equal(expected, logits.argmax(dim=-1))
+    assert torch.equal(triton_ops.sample_with_noise(logits, table[:, 0], noise), expected)
+
+
 def test_sample_with_noise_kernel_picks_the_first_of_tied_maxima():
     from hookllm.kernels import triton_ops
 

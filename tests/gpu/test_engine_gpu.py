@@ -3,10 +3,13 @@
 Run on a machine with a GPU: ``pytest -m gpu tests/gpu``. Skipped without CUDA.
 """
 
+import random
+
 import pytest
 import torch
 
 from hookllm import LLM, SamplingParams, testing
+from hookllm.kernels import compiled_triton_variants
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -94,3 +97,51 @@ def test_seeded_sampling_on_cuda_equals_cpu(small_llama):
     gpu = LLM(str(small_llama), gpu_memory_utilization=0.3, dtype="float32").generate(prompt, params)
     cpu = LLM(str(small_llama), device="cpu", dtype="float32").generate(prompt, params)
     assert gpu[0].outputs[0].token_ids == cpu[0].outputs[0].token_ids
+
+
+def test_seeded_sampling_of_a_batch_on_cuda_equals_cpu(small_llama):
+    # Every row samples at its own temperature (the kernel once read the sampler's other parameters).
+    params = [SamplingParams(max_tokens=8, temperature=0.8, seed=seed, ignore_eos=True) for seed in range(6)]
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8, 9]} for i in range(6)]
+    gpu = LLM(str(small_llama), gpu_memory_utilization=0.3, dtype="float32").generate(prompts, params)
+    cpu = LLM(str(small_llama), device="cpu", dtype="float32").generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]
+
+
+def varied_requests(num: int, seed: int) -> tuple[list[dict], list[SamplingParams]]:
+    """Prompts of 1 to 1,500 tokens, half continuing one of three shared prefixes (a second run
+    hits the prefix cache, leaving queries of every length), with every sampler path."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(320) for _ in range(length)] for length in (37, 300, 900)]
+    prompts, params = [], []
+    paths = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.8, top_k=40, top_p=0.9),
+             dict(temperature=1.0, seed=7), dict(temperature=0.0, logprobs=3),
+             dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5),
+             dict(temperature=0.0, prompt_logprobs=2), dict(temperature=0.8, n=2)]
+    for i in range(num):
+        suffix = [rng.randrange(320) for _ in range(int(2 ** rng.uniform(0, 9)))]
+        prompts.append({"prompt_token_ids": (rng.choice(prefixes) if i % 2 else []) + suffix})
+        params.append(SamplingParams(max_tokens=rng.randint(1, 64), ignore_eos=True, **paths[i % len(paths)]))
+    return prompts, params
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_after_the_warmup_a_varied_workload_compiles_no_triton_kernel(small_llama, enforce_eager):
+    llm = LLM(str(small_llama), gpu_memory_utilization=0.3, enforce_eager=enforce_eager)
+    assert llm.engine.worker.warmup_seconds is not None
+    compiled = compiled_triton_variants()
+    prompts, params = varied_requests(64, seed=21)
+    for _ in range(2):  # the second run hits the prefix cache
+        llm.generate(prompts, params, use_tqdm=False)
+    assert compiled_triton_variants() == compiled
+
+
+def test_warmup_leaves_generation_as_without_it_on_cuda(small_llama):
+    prompts, params = varied_requests(24, seed=22)
+    runs = []
+    for warmup in (True, False):
+        llm = LLM(str(small_llama), gpu_memory_utilization=0.3, dtype="float32", warmup=warmup)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([[(c.token_ids, c.logprobs) for c in o.outputs] for o in outputs])
+        testing.assert_all_blocks_free(llm)
+    assert runs[0] == runs[1]
