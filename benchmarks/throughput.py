@@ -170,6 +170,7 @@ def run_hookllm(path: Path, prompts, max_tokens, enforce_eager: bool, args) -> t
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     walls = []
     for i in range(args.repeat):
+        llm.reset_prefix_cache()  # every call computes the same prompts from scratch, as the first does
         walls.append(timed_call(llm, prompts, params))
         print(f"{name} call {i + 1}/{args.repeat}: {sum(max_tokens) / walls[-1]:.0f} output tok/s, "
               f"{walls[-1]:.2f}s", flush=True)
@@ -190,6 +191,7 @@ def run_batch1_latency(path: Path, prompt: list[int], args) -> dict:
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=LATENCY_OUTPUT_TOKENS)
     calls = []
     for i in range(args.repeat):
+        llm.reset_prefix_cache()  # the same prompt each call: no call may find it cached
         start = time.perf_counter()
         output = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
         e2e_s = time.perf_counter() - start
@@ -208,6 +210,7 @@ def run_latency(llm, prompts, max_tokens, rate: float, num_requests: int) -> dic
     from hookllm import SamplingParams
 
     engine = llm.engine
+    llm.reset_prefix_cache()  # workload A ran these prompts: B must not find them cached
     rng = np.random.default_rng(0)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, num_requests))
     pending = list(range(num_requests))

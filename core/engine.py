@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import numbers
 import warnings
 from collections import deque
@@ -77,6 +78,10 @@ class LLMEngine:
         # Requests with n > 1 by id, and each child's parent.
         self.parallel: dict[str, ParallelGroup] = {}
         self.parent_of: dict[str, str] = {}
+        # What exists now (model, tokenizer, plugins) lives as long as the engine: move it out of
+        # the garbage collector's sight, or each full collection walks it all, mid-step.
+        gc.collect()
+        gc.freeze()
 
     @classmethod
     def from_engine_args(cls, engine_args: "EngineArgs") -> "LLMEngine":
@@ -297,6 +302,13 @@ class LLMEngine:
                 self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
                 self.output_processor.remove_request(child_id)
         self._release_finished_if_idle()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while requests hold KV blocks."""
+        if self.has_unfinished_requests() or self.scheduler.retained:
+            return False
+        self.block_manager.reset_prefix_cache()
+        return True
 
     def get_stats(self) -> SchedulerStats:
         """Running and waiting requests and KV-cache use now (for metrics)."""

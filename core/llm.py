@@ -53,6 +53,11 @@ class LLM:
         then returns the memory); the LLM cannot be used after."""
         self.engine.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's call, e.g. between benchmark runs); False, changing
+        nothing, while requests still hold KV blocks."""
+        return self.engine.reset_prefix_cache()
+
     def _generation_config_defaults(self, generation_config: str) -> dict[str, Any]:
         if generation_config == "vllm":
             return {}

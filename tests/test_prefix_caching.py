@@ -107,6 +107,23 @@ def test_num_cached_tokens_and_hit_counters(make_llm):
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (42 + 41, 32)
 
 
+def test_reset_prefix_cache_forgets_cached_prompts(make_llm):
+    llm = make_llm()
+    prompt = {"prompt_token_ids": list(range(2, 42))}
+    llm.generate(prompt, testing.greedy(2))
+    assert llm.reset_prefix_cache()
+    assert llm.generate(prompt, testing.greedy(2))[0].num_cached_tokens == 0
+
+
+def test_reset_prefix_cache_refuses_while_a_request_holds_blocks(make_llm):
+    llm = make_llm()
+    llm.engine.add_request("held", {"prompt_token_ids": list(range(2, 42))}, testing.greedy(4))
+    llm.engine.step()
+    assert not llm.reset_prefix_cache()
+    llm.engine.abort_request("held")
+    assert llm.reset_prefix_cache()
+
+
 def test_the_last_prompt_token_is_recomputed_on_a_full_hit(make_llm, tiny_llama_reference):
     llm = make_llm()
     prompt = list(range(2, 34))  # exactly two blocks
