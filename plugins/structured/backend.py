@@ -205,6 +205,7 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     shifts = _SHIFTS.get(device)
     if shifts is None:
         shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    # Both copies come from pinned memory, so neither waits for the device's queued work.
     words = bitmask.to(device, non_blocking=True)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
     vocab = logits.shape[1]
@@ -214,7 +215,8 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     if len(rows) == logits.shape[0]:
         logits.masked_fill_(~allowed, float("-inf"))
     else:
-        index = torch.tensor(rows, device=device)
+        index = torch.tensor(rows)
+        index = (index.pin_memory() if device.type == "cuda" else index).to(device, non_blocking=True)
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
