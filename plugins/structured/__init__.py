@@ -8,8 +8,9 @@ A request asks with ``SamplingParams(structured_outputs=StructuredOutputsParams(
 - ``preprocess_request`` compiles and validates the constraint against the engine's tokenizer
   when the request is added (a bad schema or regex is a ``ValueError`` there) and stores the
   compiled grammar in the request's own ``extra_args``, which travel to the worker;
-- ``process_logits`` advances one matcher per constrained request with the tokens it has not
-  consumed yet, fills the constrained rows' token bitmasks on the host and applies them to the
+- ``start_logits_job`` returns a job for the steps with constrained rows: its ``run`` (off the
+  main thread while a step is in flight) advances one matcher per constrained request with the
+  tokens it has not consumed yet and fills their token bitmasks; its ``apply`` masks the
   logits in one batched device operation;
 - ``request_finished`` drops the matcher.
 
@@ -44,12 +45,13 @@ def preprocess_request(request: Any, tokenizer: Any, model_config: Any) -> None:
 
 
 @hookimpl
-def process_logits(logits: Any, batch: Any) -> None:
+def start_logits_job(batch: Any) -> Any:
     rows = [j for j, r in enumerate(batch.sampling_requests) if COMPILED_KEY in r.sampling_params.extra_args]
-    if rows:
-        from hookllm.plugins.structured import backend
+    if not rows:
+        return None
+    from hookllm.plugins.structured import backend
 
-        backend.mask_logits(logits, batch, rows)
+    return backend.MaskJob(batch, rows)
 
 
 @hookimpl
