@@ -90,6 +90,11 @@ def preprocess_request(request: Request, tokenizer: Any, model_config: ModelConf
     :class:`hookllm.request.MultiModalItem` records (offset, length, content hash, data) to
     ``request.mm_items``. The length limits are checked after this hook. Raise ``ValueError``
     for bad input: only this request fails.
+
+    A plugin that enforces ``SamplingParams.structured_outputs`` takes it: it clears the field
+    and the ``extra_args["structured_outputs"]`` key in ``request.sampling_params`` (the request's
+    own copy, e.g. ``dataclasses.replace``) and keeps what it needs in ``extra_args``. A constraint
+    left there after this hook is a ``ValueError``: no active plugin would enforce it.
     """
 
 

@@ -188,6 +188,16 @@ def test_a_matcher_failure_in_a_deferred_step_ends_only_its_request(make_llm, ti
     assert other.outputs[0].token_ids == alone
 
 
+def test_structured_outputs_without_the_plugin_is_a_value_error_naming_it(make_llm):
+    engine = make_llm().engine
+    for params in (SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")),
+                   SamplingParams(extra_args={"structured_outputs": {"regex": "a+"}})):
+        with pytest.raises(ValueError, match=r"request r: no active plugin enforces structured_outputs; .*"
+                                             r"--plugin structured / LLM\(plugins=\['structured'\]\)"):
+            engine.add_request("r", "Hello", params)
+        assert not engine.has_request("r")
+
+
 def test_free_requests_in_a_mixed_batch_get_the_tokens_they_get_alone(tiny):
     prompts = ["The quick brown fox", "1 2 3 4", "Hello there"]
     free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
