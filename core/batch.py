@@ -1,14 +1,14 @@
 """The model runner's side of a step: per-request state it keeps, and the batch hooks receive.
 
 The runner rebuilds these from :class:`hookllm.scheduler_output.SchedulerOutput` snapshots
-alone, so it can live in another process. Hooks (``prepare_inputs``, ``process_logits``,
-``sample``, ``request_finished``) read them and must not change them.
+alone, so it can live in another process. Hooks (``prepare_inputs``, ``start_logits_job``,
+``process_logits``, ``sample``, ``request_finished``) read them and must not change them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -52,12 +52,32 @@ class Batch:
     generator: torch.Generator  # the engine's generator, for requests without a seed
     previous: "StepOutput | None" = None  # the step still on the device, whose tokens are in flight
 
-    def exact_output_token_ids(self) -> list[list[int]]:
-        """Each sampling request's complete output ids, the in-flight token included.
+    def in_flight_token_ids(self) -> dict[str, int]:
+        """The token each request sampled in the previous step, by request id: with async
+        scheduling it is not in ``output_token_ids`` yet. Waits for that step alone (not this
+        one); empty when no step is in flight."""
+        return self.previous.token_ids_by_request() if self.previous is not None else {}
 
-        With async scheduling the previous step's tokens are not in ``output_token_ids`` yet;
-        this waits for that step alone (not this one) to read them.
-        """
-        pending = self.previous.token_ids_by_request() if self.previous is not None else {}
+    def exact_output_token_ids(self) -> list[list[int]]:
+        """Each sampling request's complete output ids, the in-flight token included (waits as
+        ``in_flight_token_ids`` does)."""
+        pending = self.in_flight_token_ids()
         return [r.output_token_ids + ([pending[r.request_id]] if r.request_id in pending else [])
                 for r in self.sampling_requests]
+
+
+class LogitsJob(Protocol):
+    """A plugin's work on one step's logits, split so that its host part can run off the main
+    thread (returned by the ``start_logits_job`` hook)."""
+
+    def run(self) -> None:
+        """The host work: in the runner's background thread when a step is in flight, else inline.
+
+        May read the batch the job was made for and wait for the previous step's tokens
+        (``batch.in_flight_token_ids()``); the runner changes no request state until ``apply``.
+        Spend the time in code that releases the GIL (Rust, C), or the main thread waits for it.
+        """
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """On the main thread, once ``run`` returned: change ``logits`` (``[num_sampling_rows,
+        vocab]``) in place with device operations, before ``process_logits`` and ``sample``."""

@@ -140,6 +140,11 @@ class LLMEngine:
                 f"request {request_id}: no active plugin takes multi_modal_data "
                 f"({', '.join(sorted(request.multi_modal_data))}); select one with --plugin"
             )
+        # An active plugin that enforces structured_outputs takes it off the request's params.
+        left = request.sampling_params
+        if left.structured_outputs is not None or "structured_outputs" in left.extra_args:
+            raise ValueError(f"request {request_id}: no active plugin enforces structured_outputs; select the "
+                             "structured output plugin with --plugin structured / LLM(plugins=['structured'])")
         self._check_limits(request)
         for child in self._fan_out(request):
             self.output_processor.add_request(child)

@@ -6,22 +6,30 @@ output tokens it was not sent yet. The per-step path: build inputs on the host i
 copy them once, let plugins adjust them (``prepare_inputs``), run the model under the attention
 metadata, compute logits only for rows that sample, then ``process_logits`` and ``sample``. The
 sampled token ids are the one value read back from the device each step.
+
+Plugins' ``LogitsJob``s (``start_logits_job``) run before ``process_logits``. While a step is in
+flight (async scheduling), a step with jobs is deferred: the jobs run in a background thread and
+the step samples when it is finished, at the start of the next ``execute`` or when its tokens
+are read, so the jobs' host work overlaps the engine's output processing and scheduling.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
+from typing import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
-from hookllm.batch import Batch, RequestState
+from hookllm.batch import Batch, LogitsJob, RequestState
 from hookllm.cuda_graph import CudaGraphRunner
 from hookllm.forward_context import AttentionMetadata, set_forward_context
 from hookllm.outputs import Logprob, LogprobsEntry
-from hookllm.penalties import LogitsAdjuster
+from hookllm.penalties import AdjustedRows, LogitsAdjuster
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.scheduler_output import SchedulerOutput
 
@@ -50,29 +58,74 @@ class ModelInputs:
         )
 
 
+@dataclass
+class SampledTokens:
+    """What sampling a step leaves on the device."""
+
+    token_ids: torch.Tensor  # [num_sampling_rows] long
+    logprobs: tuple[torch.Tensor, ...] | None = None  # chosen token's logprob, its rank, top-n values, top-n ids
+    wanted: list[int | None] | None = None  # each row's n (None: not asked)
+
+
 class StepOutput:
     """A launched step's sampled token ids (and logprobs): copied to the host without waiting,
-    read by ``resolve``, which waits for the device only if the step is still running."""
+    read by ``resolve``, which waits for the device only if the step is still running.
 
-    def __init__(self, sampled: torch.Tensor, request_ids: list[str],
-                 logprobs: tuple[torch.Tensor, ...] | None = None, wanted: list[int | None] | None = None,
-                 prompt_logprobs: dict[str, tuple[torch.Tensor, ...]] | None = None):
-        self.sampled = sampled  # on the device: the next step reads in-flight tokens from here
+    A deferred step is made with ``deferred``, the function that samples it, and the ``device``
+    its tokens live on, instead of its tokens: ``finish`` calls it once, on the runner's thread,
+    and every reader finishes first.
+    """
+
+    def __init__(self, request_ids: list[str], sampled: SampledTokens | None = None,
+                 prompt_logprobs: dict[str, tuple[torch.Tensor, ...]] | None = None,
+                 deferred: Callable[[], SampledTokens] | None = None, device: torch.device | None = None):
         self.request_ids = request_ids  # the request of each row
-        self._sampled = sampled.to("cpu", non_blocking=True)
-        # (chosen token's logprob, its rank, top-n values, top-n ids) and each row's n.
-        self._logprobs = tuple(t.to("cpu", non_blocking=True) for t in logprobs) if logprobs else None
-        self._wanted = wanted
         # By request: (prompt tokens' logprobs, ranks, top-k values, top-k ids) for this step's chunk.
         self._prompt_logprobs = {request_id: tuple(t.to("cpu", non_blocking=True) for t in parts)
                                  for request_id, parts in (prompt_logprobs or {}).items()}
+        self._deferred = deferred
+        self._device = device
+        if sampled is not None:
+            self._copy_to_host(sampled)
+
+    @property
+    def is_deferred(self) -> bool:
+        """Whether the step still waits for its logits jobs to be sampled."""
+        return self._deferred is not None
+
+    def finish(self) -> None:
+        """Sample a deferred step now (a no-op otherwise). If that raises, the step keeps token 0
+        in every row, so the engine can go on once the caller has failed the step's requests."""
+        if self._deferred is None:
+            return
+        deferred, self._deferred = self._deferred, None
+        try:
+            sampled = deferred()
+        except BaseException:
+            placeholder = torch.zeros(len(self.request_ids), dtype=torch.long, device=self._device)
+            self._copy_to_host(SampledTokens(placeholder))
+            raise
+        self._copy_to_host(sampled)
+
+    def _copy_to_host(self, sampled: SampledTokens) -> None:
+        self._device_sampled = sampled.token_ids
+        self._sampled = sampled.token_ids.to("cpu", non_blocking=True)
+        self._logprobs = tuple(t.to("cpu", non_blocking=True) for t in sampled.logprobs) if sampled.logprobs else None
+        self._wanted = sampled.wanted
         self._done = None
-        if sampled.is_cuda:
+        if sampled.token_ids.is_cuda:
             self._done = torch.cuda.Event()
             self._done.record()
 
+    @property
+    def sampled(self) -> torch.Tensor:
+        """The sampled ids on the device: the next step reads its in-flight tokens from here."""
+        self.finish()
+        return self._device_sampled
+
     def token_ids(self) -> list[int]:
         """The sampled token ids, waiting for this step only if it is still running."""
+        self.finish()
         if self._done is not None:
             self._done.synchronize()
         return self._sampled.tolist()
@@ -91,6 +144,7 @@ class StepOutput:
 
     def prompt_logprobs(self) -> dict[str, list[LogprobsEntry]]:
         """By request: one entry per prompt token this step predicted (its chunk's next tokens)."""
+        self.finish()
         if self._prompt_logprobs and self._done is not None:
             self._done.synchronize()
         resolved = {}
@@ -128,6 +182,7 @@ class ModelRunner:
         self.logits_adjuster = LogitsAdjuster(device)
         # Requests whose prompt logprobs are not all computed yet.
         self.prompt_logprob_ids: set[str] = set()
+        self.job_thread: ThreadPoolExecutor | None = None  # runs deferred steps' logits jobs
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Drop finished requests, add new ones, and apply the step's counts and new tokens."""
@@ -231,9 +286,14 @@ class ModelRunner:
         """Run one step: None when it samples nothing (no forward at all when nothing is scheduled).
 
         ``previous`` is the step still on the device (async scheduling): requests whose next
-        input token it sampled read that token from its output, on the device.
+        input token it sampled read that token from its output, on the device. A step with
+        logits jobs and a step in flight is deferred (see :meth:`_sample_after_jobs`).
         """
-        self.update_states(scheduler_output)
+        try:
+            if previous is not None:
+                previous.finish()  # a deferred step samples before any request state changes
+        finally:
+            self.update_states(scheduler_output)  # also if that failed: the snapshot applies once
         if scheduler_output.is_empty():
             return None
         batch = self.make_batch(scheduler_output, previous)
@@ -247,18 +307,53 @@ class ModelRunner:
             # engine ignores here, as this step has no sampling rows).
             sampled, request_ids = ((previous.sampled, previous.request_ids) if previous is not None
                                     else (torch.empty(0, dtype=torch.long, device=self.device), []))
-            return StepOutput(sampled, request_ids, prompt_logprobs=prompt_logprobs)
+            return StepOutput(request_ids, SampledTokens(sampled), prompt_logprobs)
         # In a decode-only step every row samples: no gather needed.
         if len(batch.sampling_requests) < hidden_states.shape[0]:
             hidden_states = hidden_states[inputs.logits_indices]
         logits = self.model.compute_logits(hidden_states).float()
-        # The core's penalties and biases come first: process_logits and sample hooks see their result.
+        # The core's penalties and biases come first: the jobs, process_logits and sample see their result.
         adjusted = self.logits_adjuster.apply(logits, batch)
+        jobs: list[LogitsJob] = self.hooks.hook.start_logits_job(batch=batch)
+        request_ids = [r.request_id for r in batch.sampling_requests]
+        if jobs and previous is not None:
+            running = self._job_thread().submit(_run_jobs, jobs)
+            return StepOutput(request_ids, prompt_logprobs=prompt_logprobs, device=self.device,
+                              deferred=partial(self._sample_after_jobs, running, logits, batch, adjusted, jobs))
+        _run_jobs(jobs)
+        return StepOutput(request_ids, self._sample(logits, batch, adjusted, jobs), prompt_logprobs)
+
+    def _job_thread(self) -> ThreadPoolExecutor:
+        """The one background thread that runs logits jobs, made for the first deferred step."""
+        if self.job_thread is None:
+            self.job_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hookllm-logits-jobs")
+        return self.job_thread
+
+    @torch.inference_mode()
+    def _sample_after_jobs(self, running: Future[None], logits: torch.Tensor, batch: Batch,
+                           adjusted: AdjustedRows | None, jobs: list[LogitsJob]) -> SampledTokens:
+        """A deferred step's sampling, when the step is finished: its jobs ran in the background
+        thread from its launch, while the main thread processed the previous step's outputs and
+        scheduled the next; this waits for them, then samples as an inline step does. Nothing
+        the hooks read changed in between, so the tokens are the same."""
+        running.result()
+        return self._sample(logits, batch, adjusted, jobs)
+
+    def _sample(self, logits: torch.Tensor, batch: Batch, adjusted: AdjustedRows | None,
+                jobs: list[LogitsJob]) -> SampledTokens:
+        """Apply the jobs (already run), then ``process_logits`` and ``sample``."""
+        for job in jobs:
+            job.apply(logits)
         self.hooks.hook.process_logits(logits=logits, batch=batch)
         sampled = self.hooks.hook.sample(logits=logits, batch=batch)
         self._check_sampled(sampled, logits.shape[0])
         self.logits_adjuster.record_sampled(adjusted, sampled)
-        return self._step_output(logits, batch, sampled, prompt_logprobs)
+        return self._sampled_tokens(logits, batch, sampled)
+
+    def shutdown(self) -> None:
+        """Stop the logits-job thread, if any, once its job is done."""
+        if self.job_thread is not None:
+            self.job_thread.shutdown()
 
     def _prompt_logprobs(self, batch: Batch, hidden_states: torch.Tensor, inputs: ModelInputs
                          ) -> dict[str, tuple[torch.Tensor, ...]]:
@@ -293,16 +388,19 @@ class ModelRunner:
             )
 
     @staticmethod
-    def _step_output(logits: torch.Tensor, batch: Batch, sampled: torch.Tensor,
-                     prompt_logprobs: dict[str, tuple[torch.Tensor, ...]] | None) -> StepOutput:
+    def _sampled_tokens(logits: torch.Tensor, batch: Batch, sampled: torch.Tensor) -> SampledTokens:
         """The sampled tokens plus, where asked, their logprobs and the top-n from the processed logits."""
-        request_ids = [r.request_id for r in batch.sampling_requests]
         wanted = [r.sampling_params.logprobs for r in batch.sampling_requests]
         if all(n is None for n in wanted):
-            return StepOutput(sampled, request_ids, prompt_logprobs=prompt_logprobs)
+            return SampledTokens(sampled)
         logprobs = logits.log_softmax(dim=-1)
         top_values, top_ids = logprobs.topk(max(n for n in wanted if n is not None), dim=-1)
         chosen = logprobs.gather(1, sampled[:, None])
         ranks = (logprobs > chosen).sum(dim=-1) + 1
-        return StepOutput(sampled, request_ids, (chosen.squeeze(1), ranks, top_values, top_ids), wanted,
-                          prompt_logprobs)
+        return SampledTokens(sampled, (chosen.squeeze(1), ranks, top_values, top_ids), wanted)
+
+
+@torch.inference_mode()  # in the job thread too: inference mode is per thread
+def _run_jobs(jobs: list[LogitsJob]) -> None:
+    for job in jobs:
+        job.run()

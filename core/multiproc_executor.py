@@ -52,6 +52,10 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connec
                 break
             scheduler_output, has_previous = message
             previous = worker.execute(scheduler_output, previous if has_previous else None)
+            if previous is not None:
+                # Sampled here, not in the sender thread, and by every rank alike (a deferred step
+                # might otherwise be left unsampled on some): logits jobs do not overlap under TP.
+                previous.finish()
             if sender is not None:
                 sender.put(previous)
         if sender is not None:

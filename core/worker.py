@@ -191,5 +191,6 @@ class Worker:
 
     def shutdown(self) -> None:
         """Release the KV cache and the swap space (the model goes with the last reference to the worker)."""
+        self.runner.shutdown()
         self._allocate_kv_cache(0)
         self._allocate_host_cache(0)

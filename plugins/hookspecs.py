@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from hookllm.async_engine import AsyncLLM
-    from hookllm.batch import Batch, RequestState
+    from hookllm.batch import Batch, LogitsJob, RequestState
     from hookllm.chat import RenderedContent
     from hookllm.config import ModelConfig
     from hookllm.model_runner import ModelInputs
@@ -90,6 +90,11 @@ def preprocess_request(request: Request, tokenizer: Any, model_config: ModelConf
     :class:`hookllm.request.MultiModalItem` records (offset, length, content hash, data) to
     ``request.mm_items``. The length limits are checked after this hook. Raise ``ValueError``
     for bad input: only this request fails.
+
+    A plugin that enforces ``SamplingParams.structured_outputs`` takes it: it clears the field
+    and the ``extra_args["structured_outputs"]`` key in ``request.sampling_params`` (the request's
+    own copy, e.g. ``dataclasses.replace``) and keeps what it needs in ``extra_args``. A constraint
+    left there after this hook is a ``ValueError``: no active plugin would enforce it.
     """
 
 
@@ -107,6 +112,22 @@ def prepare_inputs(batch: Batch, inputs: ModelInputs, model: torch.nn.Module) ->
 
 
 @hookspec
+def start_logits_job(batch: Batch) -> LogitsJob | None:
+    """Return a :class:`hookllm.batch.LogitsJob` for this step's logits, or None (the usual answer).
+
+    For logits work with a large host part, e.g. filling grammar masks. Called once the step's
+    logits are computed. The job's ``run()`` does the host work and may wait for the previous
+    step's tokens (``batch.in_flight_token_ids()``); its ``apply(logits)`` then changes the
+    logits on the main thread, before ``process_logits``. With async scheduling and a step in
+    flight, the runner defers the step: ``run()`` goes to a background thread while the main
+    thread processes the previous step's outputs and schedules the next one, and the step is
+    sampled when the next one starts (or its tokens are read). Otherwise ``run()`` runs inline.
+    Either way the hooks see the same batch and the same logits, so the tokens are the same; a
+    step for which every plugin returns None is sampled at once, as without this hook.
+    """
+
+
+@hookspec
 def process_logits(logits: torch.Tensor, batch: Batch) -> None:
     """Modify ``logits`` (``[num_sampling_rows, vocab]``, float32) in place before sampling.
 
@@ -115,7 +136,8 @@ def process_logits(logits: torch.Tensor, batch: Batch) -> None:
     ``extra_args``), ``prompt_token_ids``, ``output_token_ids``, ``mm_items``. With async
     scheduling (the CUDA default) a decoding request's ``output_token_ids`` lacks the token of
     the step still running on the device; ``batch.exact_output_token_ids()`` waits for that
-    step alone (not this one) and returns every sampling row's complete output ids.
+    step alone (not this one) and returns every sampling row's complete output ids. Logits
+    jobs (``start_logits_job``) have been applied already.
     """
 
 

@@ -4,7 +4,11 @@ The token each decoding request needs next is taken from the previous step's out
 device, so outputs lag one step; tokens, stop conditions and cache use stay the same.
 """
 
-from hookllm import SamplingParams, testing
+import threading
+
+import pytest
+
+from hookllm import SamplingParams, hookimpl, testing
 
 PROMPT = "Paris is the capital of"
 
@@ -49,3 +53,79 @@ def test_a_request_stopped_while_a_step_is_in_flight_drops_that_steps_token(make
     assert out.token_ids == free_run[: free_run.index(stop_id) + 1]
     assert not llm.engine.scheduler.requests
     testing.assert_all_blocks_free(llm)
+
+
+class OverlapProbe:
+    """A plugin whose logits job does nothing but, off the runner's thread, wait until the engine
+    has scheduled the step after the job's own: it can only return if the job overlaps that work."""
+
+    def __init__(self, engine):
+        self.scheduled = 0
+        self.changed = threading.Condition()
+        self.runner_thread = threading.get_ident()
+        self.overlapped: list[bool] = []  # per job run off the runner's thread
+        schedule = engine.scheduler.schedule
+
+        def counting():
+            batch = schedule()
+            with self.changed:
+                self.scheduled += 1
+                self.changed.notify_all()
+            return batch
+
+        engine.scheduler.schedule = counting
+
+    @hookimpl
+    def start_logits_job(self, batch):
+        return ProbeJob(self, self.scheduled)
+
+
+class ProbeJob:
+    def __init__(self, probe: OverlapProbe, scheduled: int):
+        self.probe, self.scheduled = probe, scheduled
+
+    def run(self):
+        probe = self.probe
+        if threading.get_ident() != probe.runner_thread and all(probe.overlapped):  # one timeout is enough
+            with probe.changed:
+                probe.overlapped.append(probe.changed.wait_for(lambda: probe.scheduled > self.scheduled, timeout=10))
+
+    def apply(self, logits):
+        pass
+
+
+def test_a_logits_job_runs_while_the_engine_schedules_the_next_step(make_llm):
+    llm = make_llm(async_scheduling=True)
+    probe = OverlapProbe(llm.engine)
+    llm.engine.hooks.pm.register(probe, name="probe")
+    llm.generate([PROMPT, "The"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert len(probe.overlapped) >= 4 and all(probe.overlapped)
+
+
+class FailingJob:
+    """A plugin whose logits job raises in deferred steps (a step in flight) of requests asking it."""
+
+    @hookimpl
+    def start_logits_job(self, batch):
+        if batch.previous is not None and any(r.sampling_params.extra_args.get("explode")
+                                              for r in batch.sampling_requests):
+            return self
+
+    def run(self):
+        raise RuntimeError("job exploded")
+
+    def apply(self, logits):
+        pass
+
+
+def test_a_failing_deferred_step_fails_its_call_and_the_llm_serves_again(make_llm):
+    llm = make_llm(async_scheduling=True)
+    expected = llm.generate(PROMPT, testing.greedy(6))[0].outputs[0].token_ids
+    llm.engine.hooks.pm.register(FailingJob(), name="failing")
+    explode = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args={"explode": True})
+    with pytest.raises(RuntimeError, match="job exploded"):
+        # The first request finishes just before the failure: the runner must still hear of it.
+        llm.generate([PROMPT, "The"], [testing.greedy(1), explode])
+    assert llm.generate(PROMPT, testing.greedy(6))[0].outputs[0].token_ids == expected
+    testing.assert_all_blocks_free(llm)
+    assert not llm.engine.worker.runner.requests

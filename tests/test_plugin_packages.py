@@ -89,7 +89,7 @@ def test_plugins_json_lists_packages_with_version_hooks_and_architectures(capsys
                                   "hooks": ["add_cli_options", "add_routes", "process_logits"], "architectures": [],
                                   "error": None}
     assert rows["structured"] == {"name": "structured", "distribution": "hookllm", "version": "0.1.0",
-                                  "hooks": ["preprocess_request", "process_logits", "request_finished"],
+                                  "hooks": ["preprocess_request", "request_finished", "start_logits_job"],
                                   "architectures": [], "error": None}
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
 import torch
 
-from hookllm import LLM, SamplingParams
+from hookllm import LLM, SamplingParams, hookimpl
 from hookllm.batch import Batch, RequestState
 from hookllm.plugins.structured import COMPILED_KEY
 from hookllm.sampling_params import StructuredOutputsParams
@@ -99,6 +100,104 @@ def test_lark_grammar_and_json_object(tiny):
     assert all(isinstance(json.loads(o.outputs[0].text), dict) for o in outs if o.outputs[0].finish_reason == "stop")
 
 
+def mixed_batch() -> tuple[list[str], list[SamplingParams]]:
+    """Constrained (JSON, regex, choice) and free requests, seeded: the same tokens in any batch."""
+    specs = [StructuredOutputsParams(json=TINY), None, StructuredOutputsParams(regex=r"[a-f]{2,5}-[0-9]{3}"), None,
+             StructuredOutputsParams(choice=["yes", "no", "maybe so"]), None]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=16, structured_outputs=spec,
+                             logprobs=2 if i % 3 else None) for i, spec in enumerate(specs)]
+    return ["Hello", "The quick brown fox", "Code:", "1 2 3", "Q", "Once upon"], params
+
+
+def test_deferred_steps_give_the_tokens_of_steps_sampled_at_launch(make_llm):
+    deferred = make_llm(plugins=["structured"], async_scheduling=True)
+    inline = make_llm(plugins=["structured"], async_scheduling=False)  # never a step in flight: never deferred
+    prompts, params = mixed_batch()
+    got = deferred.generate(prompts, params, use_tqdm=False)
+    want = inline.generate(prompts, params, use_tqdm=False)
+    assert deferred.engine.worker.runner.job_thread is not None  # the deferred path ran
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    # Logprobs to float noise: the two schedules batch the last steps differently.
+    assert chosen_logprobs(got) == pytest.approx(chosen_logprobs(want), abs=1e-5)
+
+
+def chosen_logprobs(outputs) -> list[float]:
+    return [entry[token].logprob for out in outputs if out.outputs[0].logprobs
+            for token, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]
+
+
+def test_masks_are_filled_off_the_runner_thread_while_a_step_is_in_flight(make_llm, monkeypatch):
+    llm = make_llm(plugins=["structured"], async_scheduling=True)
+    threads = []
+    run = backend.MaskJob.run
+
+    def recording(job):
+        threads.append(threading.get_ident())
+        run(job)
+
+    monkeypatch.setattr(backend.MaskJob, "run", recording)
+    llm.generate(*mixed_batch(), use_tqdm=False)
+    runner_thread = threading.get_ident()  # LLM.generate steps the engine in the caller's thread
+    assert threads[0] == runner_thread  # the first step has no step in flight: filled inline
+    assert set(threads[1:]) and runner_thread not in threads[1:]
+
+
+def test_an_unconstrained_batch_is_never_deferred(make_llm):
+    llm = make_llm(plugins=["structured"], async_scheduling=True)
+    deferred = []
+    execute = llm.engine.worker.execute
+
+    def recording(scheduler_output, previous=None):
+        step = execute(scheduler_output, previous)
+        deferred.append(step is not None and step.is_deferred)
+        return step
+
+    llm.engine.worker.execute = recording
+    llm.generate(["Hello", "The quick brown fox"], SamplingParams(temperature=1.0, seed=0, max_tokens=8),
+                 use_tqdm=False)
+    assert len(deferred) > 8 and not any(deferred)
+    assert llm.engine.worker.runner.job_thread is None
+
+
+class Sabotage:
+    """A sampler that ignores the mask: a request's first token becomes ``extra_args["sabotage"]``."""
+
+    @hookimpl(wrapper=True)
+    def sample(self, logits, batch):
+        tokens = yield
+        for row, (request, output) in enumerate(zip(batch.sampling_requests, batch.exact_output_token_ids())):
+            if "sabotage" in request.sampling_params.extra_args and not output:
+                tokens[row] = request.sampling_params.extra_args["sabotage"]
+        return tokens
+
+
+def test_a_matcher_failure_in_a_deferred_step_ends_only_its_request(make_llm, tiny_llama_dir):
+    llm = make_llm(plugins=["structured"], async_scheduling=True)
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate("The quick brown fox", free, use_tqdm=False)[0].outputs[0].token_ids
+    llm.engine.hooks.pm.register(Sabotage(), name="sabotage")
+    letter = load_tokenizer(str(tiny_llama_dir)).encode("x", add_special_tokens=False)[0]
+    number = StructuredOutputsParams(regex="[0-9]+")
+    digits = SamplingParams(temperature=1.0, seed=0, max_tokens=12, structured_outputs=number)
+    sabotaged = SamplingParams(temperature=1.0, seed=1, max_tokens=12, structured_outputs=number,
+                               extra_args={"sabotage": letter})
+    broken, fine, other = llm.generate(["Hi", "Hi", "The quick brown fox"], [sabotaged, digits, free], use_tqdm=False)
+    assert broken.outputs[0].token_ids[0] == letter and len(broken.outputs[0].token_ids) == 2  # then EOS only
+    assert broken.outputs[0].finish_reason == "stop"
+    assert re.fullmatch("[0-9]+", fine.outputs[0].text), fine.outputs[0].text
+    assert other.outputs[0].token_ids == alone
+
+
+def test_structured_outputs_without_the_plugin_is_a_value_error_naming_it(make_llm):
+    engine = make_llm().engine
+    for params in (SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")),
+                   SamplingParams(extra_args={"structured_outputs": {"regex": "a+"}})):
+        with pytest.raises(ValueError, match=r"request r: no active plugin enforces structured_outputs; .*"
+                                             r"--plugin structured / LLM\(plugins=\['structured'\]\)"):
+            engine.add_request("r", "Hello", params)
+        assert not engine.has_request("r")
+
+
 def test_free_requests_in_a_mixed_batch_get_the_tokens_they_get_alone(tiny):
     prompts = ["The quick brown fox", "1 2 3 4", "Hello there"]
     free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -155,8 +254,10 @@ def test_a_matcher_error_masks_its_row_to_eos_only_and_leaves_the_others(tiny_ll
     states = [RequestState(rid, prompt + out, len(prompt), params) for rid, out in (("broken", bad), ("fine", good))]
     vocab = len(tokenizer)
     logits = torch.zeros(2, vocab)
+    job = backend.MaskJob(Batch(states, [1, 1], states, torch.Generator()), [0, 1])
     with torch.inference_mode():  # as the runner calls it
-        backend.mask_logits(logits, Batch(states, [1, 1], states, torch.Generator()), [0, 1])
+        job.run()
+        job.apply(logits)
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == sorted(compiled.eos_token_ids)
     digits = {i for i in range(vocab) if re.fullmatch(r"[0-9]+", tokenizer.decode([i]))}
     assert digits <= set(torch.isfinite(logits[1]).nonzero().flatten().tolist())

@@ -6,10 +6,12 @@ A request asks with ``SamplingParams(structured_outputs=StructuredOutputsParams(
 ``LLM(plugins=["structured"])``. Three ordinary hooks do the work:
 
 - ``preprocess_request`` compiles and validates the constraint against the engine's tokenizer
-  when the request is added (a bad schema or regex is a ``ValueError`` there) and stores the
-  compiled grammar in the request's own ``extra_args``, which travel to the worker;
-- ``process_logits`` advances one matcher per constrained request with the tokens it has not
-  consumed yet, fills the constrained rows' token bitmasks on the host and applies them to the
+  when the request is added (a bad schema or regex is a ``ValueError`` there) and replaces it,
+  in the request's own copy of the params, by the compiled grammar in ``extra_args``, which
+  travel to the worker;
+- ``start_logits_job`` returns a job for the steps with constrained rows: its ``run`` (off the
+  main thread while a step is in flight) advances one matcher per constrained request with the
+  tokens it has not consumed yet and fills their token bitmasks; its ``apply`` masks the
   logits in one batched device operation;
 - ``request_finished`` drops the matcher.
 
@@ -39,17 +41,21 @@ def preprocess_request(request: Any, tokenizer: Any, model_config: Any) -> None:
     if spec is None:
         return
     compiled = backend.compile_request(request.request_id, spec, tokenizer, model_config)
-    # The request's own copy of the params: the user's object stays as it was.
-    request.sampling_params = dataclasses.replace(params, extra_args={**params.extra_args, COMPILED_KEY: compiled})
+    # The request's own copy of the params, the constraint taken (the engine refuses one left
+    # there): the user's object stays as it was.
+    extra_args = {key: value for key, value in params.extra_args.items() if key != "structured_outputs"}
+    request.sampling_params = dataclasses.replace(params, structured_outputs=None,
+                                                  extra_args={**extra_args, COMPILED_KEY: compiled})
 
 
 @hookimpl
-def process_logits(logits: Any, batch: Any) -> None:
+def start_logits_job(batch: Any) -> Any:
     rows = [j for j, r in enumerate(batch.sampling_requests) if COMPILED_KEY in r.sampling_params.extra_args]
-    if rows:
-        from hookllm.plugins.structured import backend
+    if not rows:
+        return None
+    from hookllm.plugins.structured import backend
 
-        backend.mask_logits(logits, batch, rows)
+    return backend.MaskJob(batch, rows)
 
 
 @hookimpl

@@ -127,15 +127,20 @@ def _matcher_of(state: RequestState) -> _Matcher:
     if entry is None or entry.state is not state:
         compiled: CompiledGrammar = state.sampling_params.extra_args[COMPILED_KEY]
         tokenizer = ll_tokenizer(compiled.tokenizer_path, compiled.eos_token_ids)
+        # Building a matcher takes ~0.5 ms (llguidance drops the GIL for it).
         entry = _Matcher(state, llguidance.LLMatcher(tokenizer, compiled.grammar), tokenizer)
         _MATCHERS[state.request_id] = entry
     return entry
 
 
-def _advance(entry: _Matcher, output_ids: list[int]) -> None:
-    """Feed the matcher the output tokens it has not seen; record the first error."""
-    new = output_ids[entry.consumed:]
-    entry.consumed = len(output_ids)
+def _advance(entry: _Matcher, in_flight: dict[str, int]) -> None:
+    """Feed the matcher the output tokens it has not seen (the in-flight one included); record
+    the first error. Only the new tokens are read: a request's output may be long."""
+    state = entry.state
+    new = state.all_token_ids[state.num_prompt_tokens + entry.consumed:]
+    if state.request_id in in_flight:
+        new.append(in_flight[state.request_id])
+    entry.consumed += len(new)
     # A stopped matcher (the grammar is complete, EOS seen) takes nothing more: with ignore_eos
     # the request goes on sampling EOS, which is not an error.
     if not new or entry.error is not None or entry.matcher.is_stopped():
@@ -143,7 +148,7 @@ def _advance(entry: _Matcher, output_ids: list[int]) -> None:
     if not entry.matcher.consume_tokens(new):
         entry.error = _reason(entry.matcher.get_error())
         logger.warning("request %s: structured output failed (%s); the request is ended with EOS",
-                       entry.state.request_id, entry.error)
+                       state.request_id, entry.error)
 
 
 def _reason(error: str) -> str:
@@ -157,7 +162,7 @@ def _reason(error: str) -> str:
 def _bitmask(rows: int, words: int) -> torch.Tensor:
     """A host buffer of ``rows`` masks, reused across steps (pinned on CUDA hosts). Reuse is safe:
     the copy that read it last step finished before that step's tokens were sampled, and this
-    step waited for those tokens (``exact_output_token_ids``) before filling it."""
+    step's job waited for those tokens (``in_flight_token_ids``) before filling it."""
     buffer = _BITMASKS.get(words)
     if buffer is None or buffer.shape[0] < rows:
         buffer = llguidance.torch.allocate_token_bitmask(max(rows, 2 * (0 if buffer is None else buffer.shape[0])),
@@ -166,28 +171,50 @@ def _bitmask(rows: int, words: int) -> torch.Tensor:
     return buffer[:rows]
 
 
-def mask_logits(logits: torch.Tensor, batch: Batch, rows: list[int]) -> None:
-    """Mask the constrained ``rows`` of ``logits`` to the tokens their grammars allow."""
+class MaskJob:
+    """One step's grammar masks (the plugin's ``LogitsJob``): ``run`` advances the constrained
+    rows' matchers and fills their bitmasks on the host, off the main thread when a step is in
+    flight; ``apply`` masks those rows of the logits."""
+
+    def __init__(self, batch: Batch, rows: list[int]):
+        self.batch = batch
+        self.rows = rows  # the constrained logits rows
+        self.bitmask: torch.Tensor | None = None
+
+    def run(self) -> None:
+        in_flight = self.batch.in_flight_token_ids()  # waits for the previous step alone
+        entries = [_matcher_of(self.batch.sampling_requests[j]) for j in self.rows]
+        for entry in entries:
+            _advance(entry, in_flight)
+        self.bitmask = _fill(entries)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        apply_bitmask(logits, self.rows, self.bitmask)
+
+
+def _fill(entries: list[_Matcher]) -> torch.Tensor:
+    """The next-token bitmasks of ``entries``' matchers, one row each: EOS only for a stopped or
+    failed matcher, else what its grammar allows."""
     global _EXECUTOR
-    outputs = batch.exact_output_token_ids()
-    entries = [_matcher_of(batch.sampling_requests[j]) for j in rows]
-    for entry, j in zip(entries, rows):
-        _advance(entry, outputs[j])
-    words = (entries[0].tokenizer.vocab_size + 31) // 32
-    bitmask = _bitmask(len(rows), words)
-    healthy = []
+    tokenizer = entries[0].tokenizer  # an engine's requests share one
+    bitmask = _bitmask(len(entries), (tokenizer.vocab_size + 31) // 32)
+    healthy, stopped = [], []
     for k, entry in enumerate(entries):
         if entry.error is not None or entry.matcher.is_stopped():
-            bitmask[k] = 0  # EOS only: ends the request (unless ignore_eos)
-            for eos in entry.tokenizer.eos_tokens:
-                bitmask[k, eos // 32] |= _bit(eos % 32)
+            stopped.append(k)
         else:
             healthy.append((entry.matcher, k))
+    if stopped:  # EOS only: ends the request (unless ignore_eos); one copy for all those rows
+        eos_only = torch.zeros(bitmask.shape[1], dtype=torch.int32)
+        for eos in tokenizer.eos_tokens:
+            eos_only[eos // 32] |= _bit(eos % 32)
+        bitmask[stopped] = eos_only
     if healthy:
         if _EXECUTOR is None:
             _EXECUTOR = llguidance.LLExecutor()
+        # In Rust, on llguidance's thread pool, without the GIL.
         llguidance.torch.fill_next_token_bitmask_par(_EXECUTOR, healthy, bitmask)
-    apply_bitmask(logits, rows, bitmask)
+    return bitmask
 
 
 def _bit(index: int) -> int:
@@ -205,6 +232,7 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     shifts = _SHIFTS.get(device)
     if shifts is None:
         shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    # Both copies come from pinned memory, so neither waits for the device's queued work.
     words = bitmask.to(device, non_blocking=True)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
     vocab = logits.shape[1]
@@ -214,7 +242,8 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     if len(rows) == logits.shape[0]:
         logits.masked_fill_(~allowed, float("-inf"))
     else:
-        index = torch.tensor(rows, device=device)
+        index = torch.tensor(rows)
+        index = (index.pin_memory() if device.type == "cuda" else index).to(device, non_blocking=True)
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
