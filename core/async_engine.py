@@ -31,9 +31,8 @@ from hookllm.tokenizer import load_tokenizer
 
 Prompt = str | list[int] | dict[str, Any]
 
-# The thread handing out the engine's reports (or the engine thread itself) shares the GIL with
-# the event loop: with the default 5 ms switch interval a busy event loop holds it off for whole
-# milliseconds per step.
+# A thread engine shares the GIL with the event loop: with the default 5 ms switch interval a
+# busy event loop holds the engine thread off for whole milliseconds per step.
 GIL_SWITCH_INTERVAL_S = 0.0002
 
 
@@ -85,10 +84,10 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._stopped = threading.Event()
         self._lock = threading.Lock()  # the streams' table: the event loop adds, the reader removes
-        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         if engine is not None:
             self.config, self.model_config, self.hooks = engine.config, engine.model_config, engine.hooks
             self._stats = engine.get_stats()
+            sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
             self._loop: EngineThread | EngineProcess = EngineThread(engine, self._on_report)
         else:
             from hookllm.hub import resolve_model_path

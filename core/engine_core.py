@@ -276,24 +276,13 @@ def _engine_process_main(config: EngineConfig, conn: Any) -> None:
         except EOFError:  # the API server is gone: stop as if told to
             return ("shutdown",)
 
-    # Reports leave from a thread of their own: when the API process is slow to read, the pipe
-    # fills and a write blocks, which must not hold up the next step.
-    reports: queue.SimpleQueue = queue.SimpleQueue()
+    def send(report: EngineReport) -> None:
+        try:
+            conn.send(report)
+        except (BrokenPipeError, OSError):
+            pass  # nobody is listening any more; the next receive sees the closed pipe
 
-    def send_reports() -> None:
-        while True:
-            report = reports.get()
-            try:
-                conn.send(report)
-            except (BrokenPipeError, OSError):
-                pass  # nobody is listening any more; the next receive sees the closed pipe
-            if report.closed:
-                return
-
-    sender = threading.Thread(target=send_reports, name="hookllm-report-sender", daemon=True)
-    sender.start()
     try:
-        EngineCore(engine, receive, reports.put).run()
+        EngineCore(engine, receive, send).run()
     finally:
-        sender.join(30)
         engine.shutdown()
