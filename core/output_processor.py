@@ -96,30 +96,31 @@ class OutputProcessor:
         """The output this step reports for ``request``, by its ``output_kind``; None for a
         final-only request still running."""
         kind = request.sampling_params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not request.is_finished:
+        finished = request.is_finished
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        # Runs for every streamed request every step: each attribute is read once.
         state = self.states[request.request_id]
-        if request.is_finished:
+        text, output_ids, logprobs = state.text, request.output_token_ids, state.logprobs
+        stops = request.sampling_params.stop
+        if finished:
             state.metrics.finished_time = time.time()
         # Text that may yet become a stop string waits; the final output has it all.
-        ready = len(state.text) if request.is_finished else len(state.text) - _stop_prefix_len(
-            state.text, request.sampling_params.stop)
-        text, token_ids, logprobs = state.text[:ready], request.output_token_ids, state.logprobs
+        ready = len(text) - _stop_prefix_len(text, stops) if stops and not finished else len(text)
         if kind is RequestOutputKind.DELTA:
-            text, token_ids = text[state.sent_text:], token_ids[state.sent_tokens:]
-            logprobs = logprobs[state.sent_tokens:] if logprobs is not None else None
-            state.sent_text, state.sent_tokens = ready, len(request.output_token_ids)
+            sent_tokens = state.sent_tokens
+            text, token_ids = text[state.sent_text:ready], output_ids[sent_tokens:]
+            logprobs = logprobs[sent_tokens:] if logprobs is not None else None
+            state.sent_text, state.sent_tokens = ready, len(output_ids)
         else:  # the request's own lists go on growing: the output gets copies
-            token_ids, logprobs = list(token_ids), list(logprobs) if logprobs is not None else None
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=token_ids, cumulative_logprob=state.cumulative_logprob, logprobs=logprobs,
-            finish_reason=request.status.value if request.is_finished else None, stop_reason=request.stop_reason,
-        )
+            text, token_ids = text[:ready], list(output_ids)
+            logprobs = list(logprobs) if logprobs is not None else None
+        completion = CompletionOutput(0, text, token_ids, state.cumulative_logprob, logprobs,
+                                      request.status.value if finished else None, request.stop_reason)
         # The prompt's list is shared, not copied: a request's prompt ids never change (a plugin
         # replaces them whole), and copying every prompt for every streamed step costs milliseconds.
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
-                             request.is_finished, prompt_logprobs=state.prompt_logprobs, metrics=state.metrics,
-                             num_cached_tokens=request.num_cached_tokens or 0)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion], finished,
+                             state.prompt_logprobs, state.metrics, request.num_cached_tokens or 0)
 
     def _decoded(self, entry: LogprobsEntry, request: Request) -> LogprobsEntry:
         """Fill in each entry token's text (vLLM's ``decoded_token``) unless text is off."""
