@@ -56,8 +56,12 @@ def sample(logits: torch.Tensor, requests: Sequence[RequestState], generator: to
         logits = apply_top_k_top_p_min_p(scaled, params[:, 1].long(), params[:, 2], params[:, 3])
         temperature = (temperature > 0).float()
     noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(generator=generator)
-    for row, request in enumerate(requests):
-        if request.generator is not None:
-            # Drawn on the CPU, so a seed gives the same tokens on every device.
-            noise[row] = torch.empty(noise.shape[-1]).exponential_(generator=request.generator).to(noise.device)
+    seeded = [(row, request.generator) for row, request in enumerate(requests) if request.generator is not None]
+    if seeded:
+        # Drawn on the CPU, so a seed gives the same tokens on every device, and staged in pinned
+        # memory: a copy from pageable memory would wait for the device once per seeded row.
+        staged = torch.empty((len(seeded), noise.shape[-1]), pin_memory=noise.is_cuda)
+        for i, (row, generator) in enumerate(seeded):
+            staged[i] = torch.empty(noise.shape[-1]).exponential_(generator=generator)
+            noise[row].copy_(staged[i], non_blocking=True)
     return ops_for(logits).sample_with_noise(logits, temperature, noise)
