@@ -32,6 +32,7 @@ from hookllm.outputs import Logprob, LogprobsEntry
 from hookllm.penalties import AdjustedRows, LogitsAdjuster
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.scheduler_output import SchedulerOutput
+from hookllm.utils import to_device_async
 
 
 @dataclass
@@ -245,10 +246,7 @@ class ModelRunner:
         # One host->device copy for the whole step (pinned, asynchronous on CUDA).
         parts = [np.asarray(token_ids, dtype=np.int64), positions, slot_mapping, logits_indices,
                  seq_lens, query_start, block_tables.ravel(), np.asarray(pending_rows + pending_sources, dtype=np.int64)]
-        host = torch.from_numpy(np.concatenate(parts))
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        flat = host.to(self.device, non_blocking=True)
+        flat = to_device_async(torch.from_numpy(np.concatenate(parts)), self.device)
         input_ids, positions_t, slots_t, logits_t, seq_lens_t, query_start_t, tables_t, pending = flat.split(
             [len(part) for part in parts])
         if pending_rows:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from hookllm.batch import Batch, RequestState
+from hookllm.utils import to_device_async
 
 
 @dataclass
@@ -68,7 +69,7 @@ class LogitsAdjuster:
                 slots.append(slot)
         if not rows:
             return None
-        index = torch.tensor(rows + slots, dtype=torch.long).to(self.device, non_blocking=True)
+        index = to_device_async(torch.tensor(rows + slots, dtype=torch.long), self.device)
         adjusted = AdjustedRows(index[:len(rows)], index[len(rows):])
         x = logits[adjusted.rows] + self.bias[adjusted.slots]
         counts = self.counts[adjusted.slots]
@@ -96,7 +97,7 @@ class LogitsAdjuster:
         params = request.sampling_params
         self.counts[slot] = 0  # a request reaches the runner before its first token
         self.prompt_mask[slot] = False
-        self.prompt_mask[slot, torch.tensor(request.prompt_token_ids, dtype=torch.long, device=self.device)] = True
+        self.prompt_mask[slot, to_device_async(torch.tensor(request.prompt_token_ids, dtype=torch.long), self.device)] = True
         bias = torch.zeros(vocab_size)
         for token_id, value in (params.logit_bias or {}).items():
             if token_id < vocab_size:
@@ -111,9 +112,9 @@ class LogitsAdjuster:
         longer = [word for word in words if len(word) > 1]
         if longer:
             self.bad_words[request.request_id] = longer
-        self.bias[slot] = bias.to(self.device)
-        self.penalties[slot] = torch.tensor([params.presence_penalty, params.frequency_penalty,
-                                             params.repetition_penalty])
+        self.bias[slot] = to_device_async(bias, self.device)
+        self.penalties[slot] = to_device_async(torch.tensor([params.presence_penalty, params.frequency_penalty,
+                                                             params.repetition_penalty]), self.device)
 
     def _grow(self, capacity: int, vocab_size: int) -> None:
         """Add slots up to ``capacity`` (every request of an engine shares one vocabulary)."""
@@ -138,4 +139,5 @@ class LogitsAdjuster:
                     rows.append(row)
                     tokens.append(word[-1])
         if rows:
-            logits[torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)] = float("-inf")
+            index = to_device_async(torch.tensor([rows, tokens], dtype=torch.long), logits.device)
+            logits[index[0], index[1]] = float("-inf")

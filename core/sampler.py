@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from hookllm.kernels import ops_for
+from hookllm.utils import to_device_async
 from hookllm.batch import RequestState
 
 
@@ -48,7 +49,7 @@ def sample(logits: torch.Tensor, requests: Sequence[RequestState], generator: to
     if bool((params[:, 0] == 0.0).all()):
         return logits.argmax(dim=-1)
     needs_filter = bool(((params[:, 1] > 0) | (params[:, 2] < 1.0) | (params[:, 3] > 0.0)).any())
-    params = params.to(logits.device, non_blocking=True)
+    params = to_device_async(params, logits.device)
     temperature = params[:, 0]
     if needs_filter:
         # Filter the temperature-scaled distribution, then race at temperature 1 (greedy rows stay 0).
@@ -56,12 +57,9 @@ def sample(logits: torch.Tensor, requests: Sequence[RequestState], generator: to
         logits = apply_top_k_top_p_min_p(scaled, params[:, 1].long(), params[:, 2], params[:, 3])
         temperature = (temperature > 0).float()
     noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(generator=generator)
-    seeded = [(row, request.generator) for row, request in enumerate(requests) if request.generator is not None]
-    if seeded:
-        # Drawn on the CPU, so a seed gives the same tokens on every device, and staged in pinned
-        # memory: a copy from pageable memory would wait for the device once per seeded row.
-        staged = torch.empty((len(seeded), noise.shape[-1]), pin_memory=noise.is_cuda)
-        for i, (row, generator) in enumerate(seeded):
-            staged[i] = torch.empty(noise.shape[-1]).exponential_(generator=generator)
-            noise[row].copy_(staged[i], non_blocking=True)
+    for row, request in enumerate(requests):
+        if request.generator is not None:
+            # Drawn on the CPU, so a seed gives the same tokens on every device.
+            draw = torch.empty(noise.shape[-1]).exponential_(generator=request.generator)
+            noise[row] = to_device_async(draw, noise.device)
     return ops_for(logits).sample_with_noise(logits, temperature, noise)

@@ -1,9 +1,22 @@
-"""Small helpers of the public API (vLLM's ``vllm.utils`` names)."""
+"""Small helpers: vLLM's ``vllm.utils`` names, and the engine's host-to-device copy."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Sequence
+
+import torch
+
+
+def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device``, without waiting for the device's queued work.
+
+    On CUDA it is staged in pinned memory and copied non-blocking: a copy from pageable memory
+    makes the host wait for the stream, which in the step loop stalls the async overlap.
+    """
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class FlexibleArgumentParser(argparse.ArgumentParser):

@@ -18,6 +18,7 @@ import torch
 from hookllm.batch import Batch, RequestState
 from hookllm.plugins.structured import COMPILED_KEY
 from hookllm.sampling_params import SamplingParams, StructuredOutputsParams
+from hookllm.utils import to_device_async
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +233,7 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     shifts = _SHIFTS.get(device)
     if shifts is None:
         shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
-    # Both copies come from pinned memory, so neither waits for the device's queued work.
+    # The bitmask buffer is pinned already (see _bitmask): neither copy waits for the device.
     words = bitmask.to(device, non_blocking=True)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
     vocab = logits.shape[1]
@@ -242,8 +243,7 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     if len(rows) == logits.shape[0]:
         logits.masked_fill_(~allowed, float("-inf"))
     else:
-        index = torch.tensor(rows)
-        index = (index.pin_memory() if device.type == "cuda" else index).to(device, non_blocking=True)
+        index = to_device_async(torch.tensor(rows), device)
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
