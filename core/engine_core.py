@@ -86,7 +86,7 @@ class EngineCore:
         self.engine = engine
         self.receive = receive
         self.send = send
-        self.headless: set[str] = set()  # requests whose first output (with the prompt) was sent
+        self.head_sent: set[str] = set()  # requests whose first output (with the prompt) was sent
 
     def run(self) -> None:
         """Until a shutdown command (or the client is gone): commands, a step, a report."""
@@ -116,7 +116,7 @@ class EngineCore:
                     report.added.append((request_id, (type(exc).__name__, str(exc))))
             elif kind == "abort":
                 self.engine.abort_request(command[1])
-                self.headless.difference_update(command[1])
+                self.head_sent.difference_update(command[1])
             elif kind == "shutdown":
                 return False
             else:
@@ -131,19 +131,18 @@ class EngineCore:
             # The engine does not say which requests the failed step held: fail every request it
             # holds now (those running and any waiting behind them) and free their blocks, as
             # LLM.generate does; requests added afterwards run normally.
-            report.failed_ids = [rid for rid in self.engine.scheduler.requests]
-            report.failed_ids += [rid for rid in self.engine.parallel if rid not in report.failed_ids]
+            report.failed_ids = list(dict.fromkeys([*self.engine.scheduler.requests, *self.engine.parallel]))
             self.engine.abort_request(report.failed_ids)
-            self.headless.difference_update(report.failed_ids)
+            self.head_sent.difference_update(report.failed_ids)
             report.failure = f"the engine step failed: {type(exc).__name__}: {exc}"
             return
         for output in outputs:
             rid = output.request_id
-            report.outputs.append(pack_output(output, with_head=rid not in self.headless))
+            report.outputs.append(pack_output(output, with_head=rid not in self.head_sent))
             if output.finished:
-                self.headless.discard(rid)
+                self.head_sent.discard(rid)
             else:
-                self.headless.add(rid)
+                self.head_sent.add(rid)
 
 
 class OutputStream:
