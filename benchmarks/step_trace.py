@@ -7,7 +7,11 @@ admitted and finished, and garbage-collector pauses. Steps are grouped into deco
 the table shows each group's share of the wall time, the step-time percentiles and the
 outliers, so a slow or uneven run points at its cause.
 
-    python benchmarks/step_trace.py --shape llama-3.2-1b --workload short
+With ``--profile``, one more run goes under torch.profiler with host timers around each part of
+the step (``profile_step.py``'s): it prints the GPU busy time against the wall time (a GPU
+busy far below the wall means the host is the limit), the top kernels, and the host time by part.
+
+    python benchmarks/step_trace.py --shape llama-3.2-1b --workload short [--profile]
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 import gc
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -83,12 +88,37 @@ def summarize(steps: list[dict], output_tokens: int) -> dict:
                          "with_prefill": sum(s["prefill_tokens"] > 0 for s in outliers)}}
 
 
+def profiled(engine, prompts, max_tokens) -> dict:
+    """One run under torch.profiler, with host timers: GPU busy versus wall time, top kernels,
+    host time by part of the step (seconds over the whole run)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from profile_step import instrument
+
+    totals: dict[str, float] = defaultdict(float)
+    instrument(engine, totals)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        steps = trace(engine, prompts, max_tokens)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    return {"wall_s": wall, "steps": len(steps),
+            "gpu_busy_s": sum(e.self_device_time_total for e in kernels) / 1e6,
+            "top_kernels_s": {e.key[:90]: e.self_device_time_total / 1e6 for e in top},
+            "host_s_by_part": dict(totals)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
     parser.add_argument("--root", default="/tmp/hookllm-bench")
     parser.add_argument("--workload", default="short", choices=sorted(WORKLOADS))
     parser.add_argument("--runs", type=int, default=3, help="traced runs on one engine (prefix cache reset)")
+    parser.add_argument("--profile", action="store_true", help="one more run under torch.profiler")
     add_out_argument(parser)
     args = parser.parse_args()
 
@@ -104,6 +134,9 @@ def main() -> None:
         runs.append(summarize(trace(llm.engine, prompts, max_tokens), sum(max_tokens)))
     payload = {"device": device_name(), "date": now(), "commit": commit(), "shape": args.shape,
                "workload": args.workload, "runs": runs}
+    if args.profile:
+        llm.reset_prefix_cache()
+        payload["profile"] = profiled(llm.engine, prompts, max_tokens)
     write_result(f"step-trace-{args.shape}-{args.workload}", payload, args.out)
     print(f"{args.shape}, workload {args.workload}, {device_name()} ({commit()})")
     print(f"{'run':<4}{'tok/s':>8}{'steps':>7}{'p50 ms':>8}{'p99 ms':>8}{'max ms':>8}{'GC s':>7}"
@@ -117,6 +150,13 @@ def main() -> None:
               f"{d['seconds']:>9.2f} ({d['steps']:>5}, {d['mean_ms']:.2f})"
               f"{p['seconds']:>9.2f} ({p['steps']:>5}, {p['mean_ms']:.2f}, {p['mean_prefill_tokens']:.0f})"
               f"{o['count']:>6}/{o['seconds']:.2f}/{o['gc_s']:.2f}")
+    if args.profile:
+        p = payload["profile"]
+        print(f"profiled run: wall {p['wall_s']:.2f} s, GPU busy {p['gpu_busy_s']:.2f} s, {p['steps']} steps")
+        for name, seconds in p["top_kernels_s"].items():
+            print(f"  {seconds:>7.3f} s  {name}")
+        for name, seconds in p["host_s_by_part"].items():
+            print(f"  host {seconds:>7.3f} s  {name}")
 
 
 if __name__ == "__main__":

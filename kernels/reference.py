@@ -92,6 +92,21 @@ def sample_with_noise(
     return torch.where(sampled[:, None], scores, x).argmax(dim=-1)
 
 
+def apply_token_bitmask(
+    logits: torch.Tensor,  # [rows, vocab], modified in place
+    bitmask: torch.Tensor,  # [k, words] int32: bit j of word i allows token 32 * i + j
+    rows: torch.Tensor,  # [k] long: the logits row each mask row applies to
+) -> None:
+    """Set to -inf every token of ``logits[rows[k]]`` whose bit is 0 in ``bitmask[k]``; tokens
+    past the mask's width (``32 * words``) are masked too. Other rows are left as they are."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
+    vocab = logits.shape[1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], vocab - allowed.shape[1])], dim=1)
+    logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab], float("-inf"))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of ``x`` ``[rows, hidden]``; with ``residual``: ``(norm(x + residual), x + residual)``.

@@ -1,7 +1,7 @@
 """Triton kernels for the small per-layer ops and the sampler's last pass.
 
-``rms_norm`` (with the residual add fused), ``apply_rotary``, ``silu_and_mul`` and
-``sample_with_noise`` have the signatures and semantics of their twins in
+``rms_norm`` (with the residual add fused), ``apply_rotary``, ``silu_and_mul``,
+``sample_with_noise`` and ``apply_token_bitmask`` have the signatures and semantics of their twins in
 :mod:`hookllm.kernels.reference`, including where results are rounded to the model dtype. In
 torch each is five to twenty elementwise kernels over the batch; here each is one, which in a
 decode step (hundreds of tiny kernels per forward) is most of the non-matmul time.
@@ -9,6 +9,10 @@ decode step (hundreds of tiny kernels per forward) is most of the non-matmul tim
 ``sample_with_noise``: one program per row streams the row's logits (any float dtype) and
 noise once, keeping a running best score per lane, instead of the five full passes (scale,
 softmax, divide, argmax) the torch version makes over a ``[rows, vocab]`` float32 tensor.
+
+``apply_token_bitmask``: one program per (mask row, column block) unpacks its bits and writes
+-inf only where a token is refused, instead of the torch version's unpack, pad, gather, fill and
+scatter, each a launch on the step's critical path.
 """
 
 from __future__ import annotations
@@ -139,3 +143,23 @@ def sample_with_noise(logits: torch.Tensor, temperature: torch.Tensor, noise: to
         _sample_with_noise_kernel[(rows,)](logits, noise, temperature, out, vocab, logits.stride(0), noise.stride(0),
                                            BLOCK=min(BLOCK, triton.next_power_of_2(vocab)))
     return out
+
+
+@triton.jit
+def _apply_token_bitmask_kernel(logits_ptr, bitmask_ptr, rows_ptr, vocab, words, logits_stride, BLOCK: tl.constexpr):
+    k = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.load(rows_ptr + k)
+    in_vocab = cols < vocab
+    # Columns past the mask's width read word 0 (other=0): refused.
+    word = tl.load(bitmask_ptr + k * words + cols // 32, mask=in_vocab & (cols < 32 * words), other=0)
+    refused = ((word >> (cols % 32)) & 1) == 0
+    tl.store(logits_ptr + row * logits_stride + cols, float("-inf"), mask=in_vocab & refused)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    vocab, (masks, words) = logits.shape[1], bitmask.shape
+    block = min(1024, triton.next_power_of_2(vocab))
+    if masks:
+        _apply_token_bitmask_kernel[(masks, triton.cdiv(vocab, block))](
+            logits, bitmask.contiguous(), rows, vocab, words, logits.stride(0), BLOCK=block)

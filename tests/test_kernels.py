@@ -287,3 +287,33 @@ def test_silu_and_mul_kernel_matches_reference(dtype):
 
     gate_up = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(3)).to(dtype)  # two column blocks
     torch.testing.assert_close(triton_ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), **tolerance(dtype))
+
+
+def token_bitmask_inputs(rows: int, vocab: int, words: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31, (rows // 2, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    mask_rows = torch.randperm(rows, generator=gen)[:rows // 2]
+    return logits, bitmask, mask_rows
+
+
+@pytest.mark.parametrize("vocab, words", [(100, 4), (100, 3), (2100, 66)],
+                         ids=["vocab-inside-the-mask", "vocab-past-the-mask", "several-blocks"])
+def test_apply_token_bitmask_kernel_matches_reference(vocab, words):
+    from hookllm.kernels import triton_ops
+
+    logits, bitmask, rows = token_bitmask_inputs(8, vocab, words)
+    expected, got = logits.clone(), logits.clone()
+    reference.apply_token_bitmask(expected, bitmask, rows)
+    triton_ops.apply_token_bitmask(got, bitmask, rows)
+    assert torch.equal(got, expected)
+
+
+def test_apply_token_bitmask_reference_follows_the_bit_layout():
+    logits = torch.zeros(3, 70)
+    bitmask = torch.zeros(1, 2, dtype=torch.int32)
+    bitmask[0, 0] = (1 << 3) | -(1 << 31)  # tokens 3 and 31 (bit 31 is the sign bit)
+    bitmask[0, 1] = 1 << 1  # token 33; tokens 64..69 lie past the mask's two words
+    reference.apply_token_bitmask(logits, bitmask, torch.tensor([1]))
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [3, 31, 33]
+    assert torch.isfinite(logits[[0, 2]]).all()  # rows without a mask are untouched

@@ -16,6 +16,7 @@ import llguidance.torch
 import torch
 
 from hookllm.batch import Batch, RequestState
+from hookllm.kernels import ops_for
 from hookllm.plugins.structured import COMPILED_KEY
 from hookllm.sampling_params import SamplingParams, StructuredOutputsParams
 from hookllm.utils import to_device_async
@@ -134,22 +135,45 @@ def _matcher_of(state: RequestState) -> _Matcher:
     return entry
 
 
-def _advance(entry: _Matcher, in_flight: dict[str, int]) -> None:
-    """Feed the matcher the output tokens it has not seen (the in-flight one included); record
-    the first error. Only the new tokens are read: a request's output may be long."""
-    state = entry.state
-    new = state.all_token_ids[state.num_prompt_tokens + entry.consumed:]
-    if state.request_id in in_flight:
-        new.append(in_flight[state.request_id])
-    entry.consumed += len(new)
-    # A stopped matcher (the grammar is complete, EOS seen) takes nothing more: with ignore_eos
-    # the request goes on sampling EOS, which is not an error.
-    if not new or entry.error is not None or entry.matcher.is_stopped():
-        return
-    if not entry.matcher.consume_tokens(new):
-        entry.error = _reason(entry.matcher.get_error())
-        logger.warning("request %s: structured output failed (%s); the request is ended with EOS",
-                       state.request_id, entry.error)
+def _advance(entries: list[_Matcher], in_flight: dict[str, int]) -> None:
+    """Feed each matcher the output tokens it has not seen (the in-flight one included); record
+    the first error. Only the new tokens are read: a request's output may be long. The usual
+    step's one new token per matcher goes to llguidance's parallel consume, which runs without
+    the GIL (one matcher at a time holds it); a longer tail (a re-added request) goes alone."""
+    single: list[tuple[_Matcher, int]] = []
+    for entry in entries:
+        state = entry.state
+        new = state.all_token_ids[state.num_prompt_tokens + entry.consumed:]
+        if state.request_id in in_flight:
+            new.append(in_flight[state.request_id])
+        entry.consumed += len(new)
+        # A stopped matcher (the grammar is complete, EOS seen) takes nothing more: with ignore_eos
+        # the request goes on sampling EOS, which is not an error.
+        if not new or entry.error is not None or entry.matcher.is_stopped():
+            continue
+        if len(new) == 1:
+            single.append((entry, new[0]))
+        elif not entry.matcher.consume_tokens(new):
+            _fail(entry)
+    if single:
+        accepted = _executor().consume_token_par([(entry.matcher, token) for entry, token in single])
+        for (entry, _), ok in zip(single, accepted):
+            if not ok:
+                _fail(entry)
+
+
+def _fail(entry: _Matcher) -> None:
+    entry.error = _reason(entry.matcher.get_error())
+    logger.warning("request %s: structured output failed (%s); the request is ended with EOS",
+                   entry.state.request_id, entry.error)
+
+
+def _executor() -> llguidance.LLExecutor:
+    """llguidance's thread pool, made once per process."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor()
+    return _EXECUTOR
 
 
 def _reason(error: str) -> str:
@@ -185,8 +209,7 @@ class MaskJob:
     def run(self) -> None:
         in_flight = self.batch.in_flight_token_ids()  # waits for the previous step alone
         entries = [_matcher_of(self.batch.sampling_requests[j]) for j in self.rows]
-        for entry in entries:
-            _advance(entry, in_flight)
+        _advance(entries, in_flight)
         self.bitmask = _fill(entries)
 
     def apply(self, logits: torch.Tensor) -> None:
@@ -196,7 +219,6 @@ class MaskJob:
 def _fill(entries: list[_Matcher]) -> torch.Tensor:
     """The next-token bitmasks of ``entries``' matchers, one row each: EOS only for a stopped or
     failed matcher, else what its grammar allows."""
-    global _EXECUTOR
     tokenizer = entries[0].tokenizer  # an engine's requests share one
     bitmask = _bitmask(len(entries), (tokenizer.vocab_size + 31) // 32)
     healthy, stopped = [], []
@@ -211,10 +233,8 @@ def _fill(entries: list[_Matcher]) -> torch.Tensor:
             eos_only[eos // 32] |= _bit(eos % 32)
         bitmask[stopped] = eos_only
     if healthy:
-        if _EXECUTOR is None:
-            _EXECUTOR = llguidance.LLExecutor()
         # In Rust, on llguidance's thread pool, without the GIL.
-        llguidance.torch.fill_next_token_bitmask_par(_EXECUTOR, healthy, bitmask)
+        llguidance.torch.fill_next_token_bitmask_par(_executor(), healthy, bitmask)
     return bitmask
 
 
@@ -223,28 +243,13 @@ def _bit(index: int) -> int:
     return (1 << index) - (1 << 32 if index == 31 else 0)
 
 
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
-
-
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """Set to -inf every token of ``logits[rows[k]]`` whose bit is 0 in ``bitmask[k]``; tokens past
-    the mask's width (ids the tokenizer lacks) are masked too. One batched device operation."""
+    the mask's width (ids the tokenizer lacks) are masked too. One kernel on CUDA."""
     device = logits.device
-    shifts = _SHIFTS.get(device)
-    if shifts is None:
-        shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
     # The bitmask buffer is pinned already (see _bitmask): neither copy waits for the device.
-    words = bitmask.to(device, non_blocking=True)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
-    vocab = logits.shape[1]
-    if allowed.shape[1] < vocab:
-        allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], vocab - allowed.shape[1])], dim=1)
-    allowed = allowed[:, :vocab]
-    if len(rows) == logits.shape[0]:
-        logits.masked_fill_(~allowed, float("-inf"))
-    else:
-        index = to_device_async(torch.tensor(rows), device)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    ops_for(logits).apply_token_bitmask(logits, bitmask.to(device, non_blocking=True),
+                                        to_device_async(torch.tensor(rows), device))
 
 
 def drop(state: RequestState) -> None:

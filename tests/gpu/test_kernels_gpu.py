@@ -165,6 +165,20 @@ def test_sample_with_noise_at_a_llama3_vocab_in_bf16():
     assert torch.equal(got[::4], logits[::4].argmax(dim=-1))
 
 
+def test_apply_token_bitmask_at_a_llama3_vocab():
+    from hookllm.kernels import triton_ops
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    rows, vocab, words = 256, 128256, 1000  # the mask narrower than the vocabulary, as a tokenizer's
+    logits = torch.randn(rows, vocab, device=DEVICE, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31, (64, words), device=DEVICE, generator=gen, dtype=torch.int64).int()
+    mask_rows = torch.randperm(rows, device=DEVICE, generator=gen)[:64]
+    expected, got = logits.clone(), logits.clone()
+    reference.apply_token_bitmask(expected, bitmask, mask_rows)
+    triton_ops.apply_token_bitmask(got, bitmask, mask_rows)
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("hidden", [2048, 4096])
 def test_fused_add_rms_norm_in_bf16(hidden):
     from hookllm.kernels import triton_ops
