@@ -16,7 +16,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
-import sys
 import threading
 from typing import Any, AsyncIterator
 
@@ -28,13 +27,9 @@ from hookllm.outputs import CompletionOutput, RequestOutput
 from hookllm.sampling_params import SamplingParams
 from hookllm.scheduler import SchedulerStats
 from hookllm.tokenizer import load_tokenizer
+from hookllm.utils import shorten_gil_switch_interval
 
 Prompt = str | list[int] | dict[str, Any]
-
-# A thread engine shares the GIL with the event loop: with the default 5 ms switch interval a
-# busy event loop holds the engine thread off for whole milliseconds per step.
-GIL_SWITCH_INTERVAL_S = 0.0002
-
 
 class EngineStepError(RuntimeError):
     """``engine.step()`` raised (e.g. a plugin's hook) while this request was in the engine."""
@@ -87,7 +82,6 @@ class AsyncLLM:
         if engine is not None:
             self.config, self.model_config, self.hooks = engine.config, engine.model_config, engine.hooks
             self._stats = engine.get_stats()
-            sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
             self._loop: EngineThread | EngineProcess = EngineThread(engine, self._on_report)
         else:
             from hookllm.hub import resolve_model_path
@@ -102,6 +96,10 @@ class AsyncLLM:
             self.model_config, self.hooks = resolve_model(config, PluginManager())
             self._stats = SchedulerStats(0, 0, 0, 0)
             self._loop = EngineProcess(config, self._on_report, self._on_exit)
+        # The engine thread, or the thread reading the engine process's reports, shares the GIL
+        # with the event loop: a busy loop would hold it off, and a report not read in time
+        # blocks the engine process on its pipe.
+        shorten_gil_switch_interval()
         # Its own tokenizer: the engine's is busy (and not safe to share) on the engine's thread.
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
 

@@ -1,8 +1,10 @@
-"""Small helpers: vLLM's ``vllm.utils`` names, and the engine's host-to-device copy."""
+"""Small helpers: vLLM's ``vllm.utils`` names, the engine's host-to-device copy, the GIL's
+switch interval for threads that work beside the engine loop."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Sequence
 
 import torch
@@ -17,6 +19,21 @@ def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+# With the default 5 ms switch interval a thread that needs the GIL for a moment (to hand over a
+# step's outputs, or between a logits job's GIL-free calls) waits whole milliseconds behind a
+# busy thread that holds it.
+GIL_SWITCH_INTERVAL_S = 0.0002
+
+
+def shorten_gil_switch_interval() -> None:
+    """Lower the interpreter's GIL switch interval to ``GIL_SWITCH_INTERVAL_S`` (never raise it).
+
+    Called by whatever starts a thread that must get the GIL back quickly while another thread
+    runs Python: the cost is paid only while two threads want it at once.
+    """
+    sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
 
 
 class FlexibleArgumentParser(argparse.ArgumentParser):
