@@ -32,7 +32,7 @@ from hookllm.outputs import Logprob, LogprobsEntry
 from hookllm.penalties import AdjustedRows, LogitsAdjuster
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.scheduler_output import SchedulerOutput
-from hookllm.utils import shorten_gil_switch_interval, to_device_async
+from hookllm.utils import to_device_async
 
 
 @dataclass
@@ -325,8 +325,6 @@ class ModelRunner:
         """The one background thread that runs logits jobs, made for the first deferred step."""
         if self.job_thread is None:
             self.job_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hookllm-logits-jobs")
-            # A job's Python between its GIL-free calls must not wait behind the engine loop.
-            shorten_gil_switch_interval()
         return self.job_thread
 
     @torch.inference_mode()
