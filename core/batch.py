@@ -29,8 +29,6 @@ class RequestState:
     sampling_params: SamplingParams
     mm_items: list[MultiModalItem] = field(default_factory=list)
     num_computed_tokens: int = 0  # before the current step
-    # The runner owns the randomness: a seeded request draws from its own generator.
-    generator: torch.Generator | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -44,11 +42,14 @@ class RequestState:
 @dataclass
 class Batch:
     """One step as hooks see it: ``requests`` in flat row order with ``num_scheduled_tokens``;
-    ``sampling_requests`` are the rows of the logits (requests whose chunk reaches their end)."""
+    ``sampling_requests`` are the rows of the logits (requests whose chunk reaches their end),
+    and ``sampling_positions`` the index each row's sampled token will have in its sequence
+    (``num_computed_tokens`` plus the scheduled count), whatever the batch or the chunking."""
 
     requests: list[RequestState]
     num_scheduled_tokens: list[int]
     sampling_requests: list[RequestState]
+    sampling_positions: list[int]
     generator: torch.Generator  # the engine's generator, for requests without a seed
     previous: "StepOutput | None" = None  # the step still on the device, whose tokens are in flight
 

@@ -194,12 +194,9 @@ class ModelRunner:
             self.logits_adjuster.remove(request_id)
             self.prompt_logprob_ids.discard(request_id)
         for new in scheduler_output.new_requests:
-            seed = new.sampling_params.seed
-            # Seeded draws happen on the CPU, so a seed gives the same tokens on every device.
-            generator = torch.Generator().manual_seed(seed) if seed is not None else None
             self.requests[new.request_id] = RequestState(
                 new.request_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.sampling_params,
-                list(new.mm_items), generator=generator)
+                list(new.mm_items))
             self.logits_adjuster.add(self.requests[new.request_id])
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_logprob_ids.add(new.request_id)
@@ -211,8 +208,10 @@ class ModelRunner:
 
     def make_batch(self, scheduler_output: SchedulerOutput, previous: StepOutput | None) -> Batch:
         requests = [self.requests[request_id] for request_id in scheduler_output.request_ids]
-        return Batch(requests, scheduler_output.num_scheduled_tokens,
-                     [requests[row] for row in scheduler_output.sampling_rows], self.generator, previous)
+        counts = scheduler_output.num_scheduled_tokens
+        rows = scheduler_output.sampling_rows
+        return Batch(requests, counts, [requests[row] for row in rows],
+                     [requests[row].num_computed_tokens + counts[row] for row in rows], self.generator, previous)
 
     def build_inputs(self, batch: Batch, scheduler_output: SchedulerOutput) -> ModelInputs:
         requests, counts_list = batch.requests, batch.num_scheduled_tokens

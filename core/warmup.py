@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GREEDY = SamplingParams(temperature=0.0)
-# One of each sampler path: argmax, the noise race, top-k/top-p/min-p, a request's own
-# generator, logprobs, and the penalty and bias stage.
+# One of each sampler path: argmax, the noise race, top-k/top-p/min-p, seeded noise,
+# logprobs, and the penalty and bias stage.
 SAMPLER_PATHS = (
     GREEDY,
     SamplingParams(temperature=1.0),

@@ -20,4 +20,4 @@ def load_model(model_config, device, dtype, registry):
 
 @hookimpl(trylast=True)
 def sample(logits, batch):
-    return sampler.sample(logits, batch.sampling_requests, batch.generator)
+    return sampler.sample(logits, batch.sampling_requests, batch.generator, batch.sampling_positions)

@@ -146,7 +146,8 @@ def sample(logits: torch.Tensor, batch: Batch) -> torch.Tensor | None:
     """Return a 1-D ``torch.long`` tensor with one token id per logits row, or None to pass.
 
     The core default does greedy, temperature, top-k, top-p and min-p sampling, with the
-    engine's generator (``batch.generator``) and per-request seeds. A plugin returning anything
+    engine's generator (``batch.generator``) or, for a request with a seed, noise hashed from the
+    seed and the row's ``batch.sampling_positions``. A plugin returning anything
     else (floats, the wrong length) fails the step with an error naming the plugin.
     """
 

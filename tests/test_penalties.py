@@ -25,9 +25,9 @@ def captured(monkeypatch) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     real = sampler.sample
 
-    def capture(logits, requests, generator):
+    def capture(logits, requests, generator, positions):
         seen.append(logits.clone())
-        return real(logits, requests, generator)
+        return real(logits, requests, generator, positions)
 
     monkeypatch.setattr(sampler, "sample", capture)
     return seen

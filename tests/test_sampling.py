@@ -1,11 +1,14 @@
-"""The default sampler: seeds, greedy equivalence and the allowed sets of top-k/top-p/min-p."""
+"""The default sampler: seeds and their noise, greedy equivalence and the allowed sets of top-k/top-p/min-p."""
+
+import math
+import random
 
 import pytest
 import torch
 
 from hookllm import SamplingParams, testing
 from hookllm.batch import RequestState
-from hookllm.sampler import apply_top_k_top_p_min_p, sample
+from hookllm.sampler import apply_top_k_top_p_min_p, sample, seeded_exponential_noise, seeded_row_keys
 
 PROMPTS = [[5, 9, 13, 200, 7], [42, 43, 44], [100] * 12]
 
@@ -18,7 +21,7 @@ def _draw(logits_row, params, n=400, seed=0):
     """n samples from one row of logits under ``params``."""
     generator = torch.Generator().manual_seed(seed)
     logits = logits_row.repeat(n, 1)
-    return sample(logits, _requests([params] * n), generator)
+    return sample(logits, _requests([params] * n), generator, [1] * n)
 
 
 def test_seeded_sampling_is_reproducible(make_llm):
@@ -92,5 +95,109 @@ def test_temperature_sampling_follows_the_distribution():
 def test_greedy_rows_stay_greedy_next_to_sampled_rows():
     logits = LOGITS.repeat(2, 1)
     tokens = sample(logits, _requests([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)]),
-                    torch.Generator().manual_seed(0))
+                    torch.Generator().manual_seed(0), [1, 1])
     assert tokens[0].item() == 1
+
+
+def _noise(seeds, positions, vocab):
+    return seeded_exponential_noise(torch.from_numpy(seeded_row_keys(seeds, positions)), vocab)
+
+
+def _reference_noise(seed: int, position: int, index: int) -> float:
+    """The seeded noise of one element, in plain Python ints (no 16-bit split of the products)."""
+    mask = 0xFFFFFFFF
+
+    def fmix32(h):
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & mask
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & mask
+        return h ^ (h >> 16)
+
+    def absorb(h, word):
+        return fmix32(h ^ fmix32(word ^ 0x9E3779B9))
+
+    folded = seed % 2**64
+    h = 0
+    for word in (folded & mask, folded >> 32, position, index):
+        h = absorb(h, word)
+    return -math.log(((h >> 8) + 0.5) / 2**24)
+
+
+def test_seeded_noise_matches_the_hash_in_plain_integers():
+    seeds, positions = [0, 1, -1, 2**63, 2**64 + 5, 5, 123456789012345], [0, 7, 3, 100000, 5, 5, 42]
+    noise = _noise(seeds, positions, 300)
+    expected = torch.tensor([[_reference_noise(s, p, j) for j in range(300)] for s, p in zip(seeds, positions)])
+    assert torch.equal(noise, expected.float())
+    assert torch.equal(noise[4], noise[5])  # seeds are folded to 64 bits
+
+
+def test_seeded_noise_depends_only_on_seed_and_position():
+    pairs = [(seed, position) for seed in (3, 4, -3) for position in (1, 2, 60)]
+    alone = [_noise([seed], [position], 500)[0] for seed, position in pairs]
+    shuffled = random.Random(0).sample(range(len(pairs)), len(pairs))
+    together = _noise([pairs[i][0] for i in shuffled], [pairs[i][1] for i in shuffled], 500)
+    for row, i in enumerate(shuffled):
+        assert torch.equal(together[row], alone[i])
+    assert len({tuple(row.tolist()) for row in alone}) == len(pairs)
+
+
+def test_a_seeded_row_samples_the_same_token_in_any_row_of_any_batch():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(32, 50, generator=gen) * 2
+    seeded = [SamplingParams(temperature=0.9, seed=100 + i) for i in range(32)]
+    positions = [5 + 3 * i for i in range(32)]
+    alone = [sample(logits[i:i + 1], _requests([seeded[i]]), gen, positions[i:i + 1]).item() for i in range(32)]
+    # The same rows, reversed and interleaved with unseeded and filtered rows.
+    others = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0.0)]
+    rows, params, batch_positions = [], [], []
+    for i in reversed(range(32)):
+        rows += [logits[i], logits[(i + 7) % 32]]
+        params += [seeded[i], others[i % 3]]
+        batch_positions += [positions[i], 1]
+    tokens = sample(torch.stack(rows), _requests(params), gen, batch_positions)
+    assert tokens[0::2].tolist() == alone[::-1]
+
+
+def test_seeded_noise_is_exponential_and_uncorrelated():
+    vocab = 1 << 16
+    noise = _noise([0, 0, 1, 2**40, -7], [10, 11, 10, 0, 123], vocab)
+    values = noise.flatten().double()
+    n = values.numel()
+    assert abs(values.mean().item() - 1.0) < 5 / math.sqrt(n)  # Exp(1): mean 1, standard deviation 1
+    # Kolmogorov-Smirnov against 1 - exp(-x): 1.95 / sqrt(n) is the 0.1% critical value.
+    cdf = 1 - torch.exp(-values.sort().values)
+    ranks = torch.arange(1, n + 1, dtype=torch.float64)
+    distance = torch.maximum(ranks / n - cdf, cdf - (ranks - 1) / n).max().item()
+    assert distance < 1.95 / math.sqrt(n)
+    # Neighbouring positions and seeds draw unrelated rows.
+    correlation = torch.corrcoef(noise.double())
+    off_diagonal = correlation[~torch.eye(len(noise), dtype=torch.bool)]
+    assert off_diagonal.abs().max().item() < 5 / math.sqrt(vocab)
+
+
+@pytest.mark.parametrize("vary", ["seed", "position"])
+def test_seeded_sampling_follows_the_distribution(vary):
+    # Many requests with their own seeds, or one seed over many positions: frequencies match PROBS.
+    n = 20000
+    seeds = list(range(n)) if vary == "seed" else [7] * n
+    positions = [random.Random(n).randrange(4096) for _ in range(n)] if vary == "seed" else list(range(n))
+    requests = [RequestState(str(i), [1], 1, SamplingParams(temperature=1.0, seed=seed)) for i, seed in enumerate(seeds)]
+    tokens = sample(LOGITS.repeat(n, 1), requests, torch.Generator().manual_seed(0), positions)
+    counts = torch.bincount(tokens, minlength=6).double()
+    expected = n * PROBS.double()
+    chi_square = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi_square < 30  # 5 degrees of freedom: P(chi2 > 30) is about 1.5e-5
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_seeded_tokens_survive_chunking_and_preemption(make_llm, async_scheduling):
+    prompts = testing.random_prompts(12, 320, min_len=10, max_len=50, seed=9)
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    roomy = make_llm(async_scheduling=False)
+    alone = [roomy.generate({"prompt_token_ids": p}, q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    tight = make_llm(max_num_batched_tokens=32, num_kv_blocks=12, async_scheduling=async_scheduling)
+    batches = testing.record_batches(tight.engine)
+    outputs = tight.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert any(b.preempted_request_ids for b in batches), "the test should preempt a request"
+    assert [o.outputs[0].token_ids for o in outputs] == alone

@@ -254,7 +254,8 @@ def test_a_matcher_error_masks_its_row_to_eos_only_and_leaves_the_others(tiny_ll
     states = [RequestState(rid, prompt + out, len(prompt), params) for rid, out in (("broken", bad), ("fine", good))]
     vocab = len(tokenizer)
     logits = torch.zeros(2, vocab)
-    job = backend.MaskJob(Batch(states, [1, 1], states, torch.Generator()), [0, 1])
+    job = backend.MaskJob(Batch(states, [1, 1], states, [len(s.all_token_ids) for s in states], torch.Generator()),
+                          [0, 1])
     with torch.inference_mode():  # as the runner calls it
         job.run()
         job.apply(logits)
