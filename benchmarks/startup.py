@@ -1,7 +1,9 @@
 """Start-up and the first call: seconds to build ``LLM()`` (load, memory profile, CUDA graphs,
 warm-up), then three timed ``generate`` calls of the same short-request mix, each in a fresh
 process: once with an empty Triton cache (cold: every kernel variant compiles) and once more
-on the same cache (warm: what a restarted server sees).
+on the same cache (warm: what a restarted server sees). ``LLM()`` is also split by start-up
+phase (the worker's ``startup_seconds``: loading, memory profile and KV cache, swap cache,
+CUDA graphs, warm-up).
 
 The goal (docs/performance.md, "Start-up warm-up"): the first call within 5% of the second,
 ``LLM()`` within 10 s cold and 4 s warm on the 1B shape. ``--without-warmup-too`` also runs
@@ -58,6 +60,7 @@ def child(checkpoint: str, num_requests: int, warmup: bool) -> None:
     start = time.perf_counter()
     llm = LLM(checkpoint, warmup=warmup)
     row = {"llm_s": time.perf_counter() - start, "warmup_s": llm.engine.worker.warmup_seconds,
+           "phases_s": llm.engine.worker.startup_seconds,
            "variants_at_start": compiled_triton_variants(), "calls": []}
     for call in range(1, NUM_CALLS + 1):
         prompts, params = mixed_workload(num_requests, call)
@@ -114,6 +117,12 @@ def main() -> None:
         calls = "".join(f"{call['seconds']:>10.3f}" for call in row["calls"])
         print(f"{'on' if row['warmup'] else 'off':<9}{row['cache']:<7}{row['llm_s']:>9.2f}{warmup_s:>11}{calls}"
               f"{row['first_over_second']:>9.3f}{sum(call['compiled'] for call in row['calls']):>10}")
+    print("LLM() by phase (s; the rest: imports, CUDA and plugin set-up, tokenizer, engine):")
+    for row in rows:
+        phases = row.get("phases_s", {})
+        rest = row["llm_s"] - sum(phases.values())
+        print(f"  {'on' if row['warmup'] else 'off'} {row['cache']:<5} "
+              + ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases.items()) + f", rest {rest:.2f}")
 
 
 if __name__ == "__main__":

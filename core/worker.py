@@ -7,6 +7,10 @@ from a plain ``SchedulerOutput``, so a worker can be rebuilt in another process
 
 from __future__ import annotations
 
+import logging
+import time
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -21,6 +25,8 @@ from hookllm.plugins.manager import ActiveHooks, PluginManager
 from hookllm.registry import ModelRegistry
 from hookllm.scheduler_output import SchedulerOutput
 from hookllm.warmup import warm_up
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_model(config: EngineConfig, plugin_manager: PluginManager) -> tuple[ModelConfig, ActiveHooks]:
@@ -57,6 +63,9 @@ class Worker:
         self.attention_backend = get_attention_backend(backend)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        # Seconds of each start-up phase, in order (logged; benchmarks/startup.py reports them).
+        self.startup_seconds: dict[str, float] = {}
+        phase = self._phase_timer()
         model = hooks.hook.load_model(model_config=model_config, device=self.device, dtype=self.dtype, registry=registry)
         if not isinstance(model, nn.Module):
             raise TypeError(f"{hooks.overriding_plugins('load_model')}: load_model must return "
@@ -65,12 +74,15 @@ class Worker:
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         if not self.attention_layers:
             raise ValueError(f"{type(model).__name__} has no hookllm.layers.Attention layer to hold a KV cache")
+        phase("load_model")
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory()
         self._allocate_kv_cache(self.num_kv_blocks)
+        phase("memory_profile_and_kv_cache")
         # Swap space: the host's K/V cache for swapped-out requests, same layout per layer.
         self.num_host_blocks = (int(config.swap_space * 2**30) // self.block_bytes
                                 if config.preemption_mode == "swap" else 0)
         self._allocate_host_cache(self.num_host_blocks)
+        phase("host_swap_cache")
         self.runner = ModelRunner(model, hooks, self.device, config.block_size, self.attention_backend, config.seed)
         if self.device.type == "cuda" and backend == "triton" and not config.enforce_eager:
             self.runner.cuda_graphs = CudaGraphRunner(
@@ -79,8 +91,30 @@ class Worker:
                 max_blocks_per_seq=-(-model_config.max_model_len // config.block_size),
                 max_model_len=model_config.max_model_len, backend=self.attention_backend,
             )
+            phase("cuda_graphs")
         # Compiling on first use would land in the first requests' latency (hookllm.warmup).
-        self.warmup_seconds = warm_up(self) if config.warmup and self.device.type == "cuda" else None
+        if config.warmup and self.device.type == "cuda":
+            warm_up(self)
+            phase("warmup")
+        logger.info("start-up: %s", ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_seconds.items()))
+
+    def _phase_timer(self) -> Callable[[str], None]:
+        """A function that records the seconds since its last call (or since now) under a name,
+        once the device's queued work is done."""
+        last = [time.perf_counter()]
+
+        def phase(name: str) -> None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            now = time.perf_counter()
+            self.startup_seconds[name], last[0] = now - last[0], now
+
+        return phase
+
+    @property
+    def warmup_seconds(self) -> float | None:
+        """Seconds the start-up warm-up took (None: it did not run)."""
+        return self.startup_seconds.get("warmup")
 
     @property
     def block_bytes(self) -> int:
