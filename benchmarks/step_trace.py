@@ -3,7 +3,8 @@
 Runs a workload of throughput.py (``--workload short`` by default) through ``LLMEngine.step``
 and records each step's wall time with what it held: decode rows, prefill tokens, requests
 admitted and finished, and garbage-collector pauses. Steps are grouped into decode-only steps
-(CUDA-graph replays up to the largest captured batch) and steps with prefill (run eagerly);
+(CUDA-graph replays up to the largest captured batch) and steps with prefill (run eagerly, or
+as CUDA graphs with ``--max-cuda-graph-tokens``);
 the table shows each group's share of the wall time, the step-time percentiles and the
 outliers, so a slow or uneven run points at its cause.
 
@@ -119,13 +120,15 @@ def main() -> None:
     parser.add_argument("--workload", default="short", choices=sorted(WORKLOADS))
     parser.add_argument("--runs", type=int, default=3, help="traced runs on one engine (prefix cache reset)")
     parser.add_argument("--profile", action="store_true", help="one more run under torch.profiler")
+    parser.add_argument("--max-cuda-graph-tokens", type=int, default=0,
+                        help="the engine option: steps with prefill up to this many tokens as CUDA graphs")
     add_out_argument(parser)
     args = parser.parse_args()
 
     from hookllm import LLM, SamplingParams
 
     path = random_checkpoint(args.shape, Path(args.root))
-    llm = LLM(str(path), max_model_len=2048 + 64)
+    llm = LLM(str(path), max_model_len=2048 + 64, max_cuda_graph_tokens=args.max_cuda_graph_tokens)
     llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=8), use_tqdm=False)
     prompts, max_tokens = random_workload(args.workload)
     runs = []
@@ -133,7 +136,7 @@ def main() -> None:
         llm.reset_prefix_cache()
         runs.append(summarize(trace(llm.engine, prompts, max_tokens), sum(max_tokens)))
     payload = {"device": device_name(), "date": now(), "commit": commit(), "shape": args.shape,
-               "workload": args.workload, "runs": runs}
+               "workload": args.workload, "max_cuda_graph_tokens": args.max_cuda_graph_tokens, "runs": runs}
     if args.profile:
         llm.reset_prefix_cache()
         payload["profile"] = profiled(llm.engine, prompts, max_tokens)

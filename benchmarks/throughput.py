@@ -127,7 +127,9 @@ def summarize(name: str, seconds: float, prompts: list[list[int]], max_tokens: l
 
 
 def engine_kwargs(args) -> dict:
-    return dict(device="cpu", dtype="float32") if args.tiny else {}
+    if args.tiny:
+        return dict(device="cpu", dtype="float32")
+    return dict(max_cuda_graph_tokens=args.max_cuda_graph_tokens)
 
 
 def start_llm(path: Path, args, max_model_len: int, enforce_eager: bool = False) -> tuple[object, dict]:
@@ -415,6 +417,8 @@ def main() -> None:
     parser.add_argument("--static-batch-size", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-cuda-graph-tokens", type=int, default=0,
+                        help="the engine option: steps with prefill up to this many tokens as CUDA graphs")
     parser.add_argument("--latency-rate", type=float, default=0.0, help="workload B arrival rate (0: skip)")
     parser.add_argument("--latency-requests", type=int, default=128)
     add_out_argument(parser)
@@ -425,7 +429,7 @@ def main() -> None:
     config = json.loads((path / "config.json").read_text())
     weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     payload = {"device": device_name(), "date": now(), "commit": commit(), "workload_name": args.workload,
-               "model": "tiny" if args.tiny else args.shape}
+               "model": "tiny" if args.tiny else args.shape, "max_cuda_graph_tokens": args.max_cuda_graph_tokens}
     run = run_latency_workload if args.workload == "latency" else run_throughput
     run(path, config, weight_bytes, payload, args)
 

@@ -109,8 +109,10 @@ class EngineConfig:
     gpu_memory_utilization: float = _option(0.9, "share of GPU memory for weights, activations and KV cache")
     cpu_kv_cache_bytes: int = _option(1 << 30, "KV-cache bytes on the CPU")
     attention_backend: str = _option("auto", "attention kernels", choices=["auto", "torch", "triton"])
-    enforce_eager: bool = _option(False, "CUDA: no CUDA graphs for decode steps")
+    enforce_eager: bool = _option(False, "CUDA: no CUDA graphs")
     max_cuda_graph_batch_size: int = _option(512, "largest decode batch captured in a CUDA graph")
+    max_cuda_graph_tokens: int = _option(0, "CUDA: steps with prefill of up to this many tokens also run as CUDA "
+                                         "graphs, padded to token buckets (0: they run eagerly)")
     warmup: bool = _option(True, "CUDA: at start-up, run synthetic steps that compile every kernel variant and "
                            "replay every CUDA graph, so no request waits for a compile")
     # Schedule step n+1 while the device runs step n (outputs lag one step).
@@ -136,6 +138,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_cuda_graph_tokens < 0:
+            raise ValueError(f"max_cuda_graph_tokens must be >= 0, got {self.max_cuda_graph_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -1,8 +1,18 @@
-"""CUDA graphs for decode-only steps: captured once per batch-size bucket, then replayed.
+"""CUDA graphs: captured once per bucket, then replayed.
 
-A decode step launches hundreds of small kernels whose launch cost exceeds their run time at
-small batch; a replayed graph launches them all at once. Inputs live in static buffers that
-each replay reads; a batch is padded up to its bucket (padding rows write no KV: slot -1).
+A step launches hundreds of small kernels, and launching them one by one from Python costs
+more than running them unless the step is large; a replayed graph launches them all at once.
+Inputs live in static buffers that each replay reads.
+
+- **Decode steps** (one token per sequence): one graph per batch-size bucket; a batch is padded
+  up to its bucket (padding rows write no KV: slot -1).
+- **Steps with prefill** (``max_mixed_tokens`` > 0): one graph per token-count bucket, every one
+  with ``max_num_seqs`` sequences. Tokens are padded up to the bucket (slot -1, owned by no
+  sequence: their rows are never attended to and never read back) and sequences up to
+  ``max_num_seqs`` (no query tokens, no context: their attention programs return at once).
+  Attention is captured for the longest query, so its grid depends only on the bucket's token
+  and sequence counts, and the kernel reads the real layout from ``query_start_loc``.
+
 Attention is captured with ``max_seq_len = max_model_len``, so one graph serves every context
 length (the kernels read the real lengths from ``seq_lens``).
 """
@@ -23,58 +33,100 @@ def batch_size_buckets(max_batch_size: int) -> list[int]:
     return sorted(set(sizes + [max_batch_size]))
 
 
+def token_buckets(max_tokens: int) -> list[int]:
+    """16, 24, 32, 48, 64, ...: powers of two and the midpoints between them (at most half of a
+    bucket is padding), up to ``max_tokens``, which is the last; empty for 0."""
+    sizes, size = [], 16
+    while size < max_tokens:
+        sizes += [size, size * 3 // 2]
+        size *= 2
+    return sorted({s for s in sizes if s < max_tokens} | ({max_tokens} if max_tokens > 0 else set()))
+
+
 class CudaGraphRunner:
     def __init__(self, model: nn.Module, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 max_batch_size: int, max_blocks_per_seq: int, max_model_len: int, backend: ModuleType):
+                 max_batch_size: int, max_blocks_per_seq: int, max_model_len: int, backend: ModuleType,
+                 max_mixed_tokens: int = 0, max_num_seqs: int = 0):
         self.model = model
         self.max_model_len = max_model_len
         self.backend = backend
         self.buckets = batch_size_buckets(max_batch_size)
-        n = max_batch_size
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.hidden_states = torch.empty(n, hidden_size, dtype=dtype, device=device)
+        self.mixed_buckets = token_buckets(max_mixed_tokens)
+        self.max_num_seqs = max_num_seqs
+        tokens = max(max_batch_size, max_mixed_tokens)
+        seqs = max(max_batch_size, max_num_seqs)
+        self.input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(seqs, dtype=torch.int32, device=device)
+        # A decode graph reads 0, 1, 2, ... and never has it written; a mixed one its own copy.
+        self.decode_query_start_loc = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
+        self.mixed_query_start_loc = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
+        self.hidden_states = torch.empty(tokens, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture_all()
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
+    def _decode_metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs], seq_lens=self.seq_lens[:bs],
-            query_start_loc=self.query_start_loc[: bs + 1], max_query_len=1, max_seq_len=self.max_model_len,
+            query_start_loc=self.decode_query_start_loc[: bs + 1], max_query_len=1, max_seq_len=self.max_model_len,
             backend=self.backend,
+        )
+
+    def _mixed_metadata(self, tokens: int) -> AttentionMetadata:
+        seqs = self.max_num_seqs
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:tokens], block_tables=self.block_tables[:seqs],
+            seq_lens=self.seq_lens[:seqs], query_start_loc=self.mixed_query_start_loc,
+            max_query_len=self.max_model_len, max_seq_len=self.max_model_len, backend=self.backend,
         )
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = None
-        for bs in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
-            with set_forward_context(self._metadata(bs)):
-                self.model(self.input_ids[:bs], self.positions[:bs])  # warm-up: compile and autotune
+        # Largest first, so smaller graphs reuse its memory pool; the mixed graphs hold the
+        # largest activations, so they go first.
+        captures = ([(tokens, self._mixed_metadata(tokens), self.mixed_graphs) for tokens in reversed(self.mixed_buckets)]
+                    + [(bs, self._decode_metadata(bs), self.graphs) for bs in reversed(self.buckets)])
+        for n, metadata, graphs in captures:
+            with set_forward_context(metadata):
+                self.model(self.input_ids[:n], self.positions[:n])  # warm-up: compile and autotune
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.hidden_states[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+                    self.hidden_states[:n] = self.model(self.input_ids[:n], self.positions[:n])
             pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = graph
+            graphs[n] = graph
         torch.cuda.synchronize()
 
-    def can_run(self, num_seqs: int, max_query_len: int, num_blocks: int) -> bool:
-        return max_query_len == 1 and num_seqs <= self.buckets[-1] and num_blocks <= self.block_tables.shape[1]
+    def can_run(self, num_tokens: int, num_seqs: int, max_query_len: int, num_blocks: int) -> bool:
+        """Whether a step of this shape has a graph (decode, or with prefill when captured)."""
+        if num_blocks > self.block_tables.shape[1]:
+            return False
+        if max_query_len == 1:
+            return num_seqs <= self.buckets[-1]
+        return bool(self.mixed_buckets) and num_tokens <= self.mixed_buckets[-1] and num_seqs <= self.max_num_seqs
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Hidden states for a decode batch (one token per sequence), through the bucket's graph."""
-        n = input_ids.shape[0]
-        bs = next(b for b in self.buckets if b >= n)
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+            max_query_len: int) -> torch.Tensor:
+        """Hidden states of the step's tokens, through its bucket's graph (``can_run`` said yes)."""
+        n, seqs = input_ids.shape[0], seq_lens.shape[0]
+        decode = max_query_len == 1
+        padded = next(b for b in (self.buckets if decode else self.mixed_buckets) if b >= n)
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
         self.slot_mapping[:n] = slot_mapping
-        self.slot_mapping[n:bs] = -1
-        self.block_tables[:n, : block_tables.shape[1]] = block_tables
-        self.seq_lens[:n] = seq_lens
-        self.seq_lens[n:bs] = 1
-        self.graphs[bs].replay()
+        self.slot_mapping[n:padded] = -1
+        self.block_tables[:seqs, : block_tables.shape[1]] = block_tables
+        self.seq_lens[:seqs] = seq_lens
+        if decode:
+            self.seq_lens[n:padded] = 1
+            self.graphs[padded].replay()
+        else:
+            self.seq_lens[seqs:self.max_num_seqs] = 0
+            self.mixed_query_start_loc[: seqs + 1] = query_start_loc
+            self.mixed_query_start_loc[seqs + 1:] = n
+            self.mixed_graphs[padded].replay()
         return self.hidden_states[:n]

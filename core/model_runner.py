@@ -270,9 +270,10 @@ class ModelRunner:
         self.hooks.hook.prepare_inputs(batch=batch, inputs=inputs, model=self.model)
         graphs = self.cuda_graphs
         if (graphs is not None and inputs.inputs_embeds is None
-                and graphs.can_run(len(batch.requests), inputs.max_query_len, inputs.block_tables.shape[1])):
-            hidden_states = graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping,
-                                       inputs.block_tables, inputs.seq_lens)
+                and graphs.can_run(inputs.input_ids.shape[0], len(batch.requests), inputs.max_query_len,
+                                   inputs.block_tables.shape[1])):
+            hidden_states = graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables,
+                                       inputs.seq_lens, inputs.query_start_loc, inputs.max_query_len)
             return hidden_states, inputs
         with set_forward_context(inputs.attention_metadata(self.attention_backend)):
             hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.inputs_embeds)

@@ -90,6 +90,8 @@ class Worker:
                 max_batch_size=min(config.max_num_seqs, config.max_cuda_graph_batch_size),
                 max_blocks_per_seq=-(-model_config.max_model_len // config.block_size),
                 max_model_len=model_config.max_model_len, backend=self.attention_backend,
+                max_mixed_tokens=min(config.max_cuda_graph_tokens, config.max_num_batched_tokens),
+                max_num_seqs=config.max_num_seqs,
             )
             phase("cuda_graphs")
         # Compiling on first use would land in the first requests' latency (hookllm.warmup).

@@ -135,6 +135,23 @@ def test_mixed_batch_of_prefill_chunks_and_decodes():
     assert_matches_reference(batch, triton_attention.paged_attention(**batch))
 
 
+def test_a_mixed_batch_padded_as_its_cuda_graph_pads_it_gives_the_same_rows():
+    # hookllm.cuda_graph: tokens padded to the bucket and owned by no sequence, sequences padded
+    # with no query and no context, the launch shaped for the longest query.
+    batch = make_batch(q_lens=[1, 11, 1, 5], seq_lens=[9, 30, 40, 27])
+    expected = reference.paged_attention(**batch)
+    tokens, seqs, padded_tokens, padded_seqs = 18, 4, 24, 8
+    padded = dict(batch, max_query_len=2048, max_seq_len=2048)
+    padded["query"] = torch.cat([batch["query"], torch.randn(padded_tokens - tokens, *batch["query"].shape[1:])])
+    padded["seq_lens"] = torch.cat([batch["seq_lens"], torch.zeros(padded_seqs - seqs, dtype=torch.int32)])
+    padded["query_start_loc"] = torch.cat([batch["query_start_loc"],
+                                           torch.full((padded_seqs - seqs,), tokens, dtype=torch.int32)])
+    padded["block_tables"] = torch.cat([batch["block_tables"],
+                                        torch.zeros(padded_seqs - seqs, batch["block_tables"].shape[1], dtype=torch.int32)])
+    out = triton_attention.paged_attention(**padded)
+    torch.testing.assert_close(out[:tokens], expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("block_m", [2, 4])
 def test_prefill_chunks_spread_over_several_query_blocks(block_m):
     # Small tiles so that each chunk needs several programs; the diagonal crosses key tiles.

@@ -72,6 +72,23 @@ def test_cuda_graphs_and_eager_give_identical_greedy_tokens(small_llama):
     assert ours == theirs
 
 
+def test_steps_with_prefill_as_cuda_graphs_give_the_eager_tokens(small_llama):
+    prompts = [{"prompt_token_ids": p} for p in testing.random_prompts(40, 320, min_len=5, max_len=200, seed=15)]
+    graphs = LLM(str(small_llama), gpu_memory_utilization=0.3, max_num_batched_tokens=512, max_cuda_graph_tokens=512,
+                 dtype="float32")
+    runner = graphs.engine.worker.runner.cuda_graphs
+    assert runner.mixed_buckets[-1] == 512
+    replayed = []  # each graph step's longest query: above 1 for a step with prefill
+    run = runner.run
+    runner.run = lambda *args: replayed.append(args[-1]) or run(*args)
+    eager = LLM(str(small_llama), gpu_memory_utilization=0.3, max_num_batched_tokens=512, enforce_eager=True,
+                dtype="float32")
+    ours = [o.outputs[0].token_ids for o in graphs.generate(prompts, testing.greedy(24))]
+    theirs = [o.outputs[0].token_ids for o in eager.generate(prompts, testing.greedy(24))]
+    assert ours == theirs
+    assert any(longest > 1 for longest in replayed) and any(longest == 1 for longest in replayed)
+
+
 def test_async_and_sync_scheduling_give_identical_tokens_on_cuda(small_llama):
     prompts = [{"prompt_token_ids": p} for p in testing.random_prompts(40, 320, min_len=5, max_len=200, seed=14)]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in range(8, 48)]

@@ -1,0 +1,22 @@
+"""CUDA graphs' buckets and option (the graphs themselves need CUDA: tests/gpu/test_engine_gpu.py)."""
+
+import pytest
+
+from hookllm.config import EngineConfig
+from hookllm.cuda_graph import batch_size_buckets, token_buckets
+
+
+def test_decode_buckets_are_small_powers_of_two_then_every_16():
+    assert batch_size_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+
+
+def test_token_buckets_pad_at_most_half_and_end_at_the_limit():
+    assert token_buckets(200) == [16, 24, 32, 48, 64, 96, 128, 192, 200]
+    assert token_buckets(128) == [16, 24, 32, 48, 64, 96, 128]
+    assert token_buckets(0) == []
+
+
+def test_steps_with_prefill_run_eagerly_unless_asked():
+    assert EngineConfig(model="m").max_cuda_graph_tokens == 0
+    with pytest.raises(ValueError, match="max_cuda_graph_tokens must be >= 0, got -1"):
+        EngineConfig(model="m", max_cuda_graph_tokens=-1)
