@@ -2,8 +2,11 @@
 
 Workload A (see throughput.py) is sent with token-id prompts through ``/v1/completions``
 (``ignore_eos``, temperature 0.6), first all at once ("full concurrency"), then by a Poisson
-process at each ``--rates`` req/s, by ``--client-processes`` aiohttp clients. Per run: output tok/s, TTFT and TPOT p50/p99. Then the same
-requests through offline ``LLM.generate`` in this process, for the served / offline ratio.
+process at each ``--rates`` req/s, by ``--client-processes`` aiohttp clients. Per run: output
+tok/s, TTFT and TPOT p50/p99, and the CPU seconds the server's API process and its engine
+process spent (Linux ``/proc``; an API process near one CPU second per second is saturated: its
+event loop is the limit). Then the same requests through offline ``LLM.generate`` in this
+process, for the served / offline ratio.
 
     python benchmarks/serve.py --shape llama-3.2-1b --rates 20,40
     # CPU smoke test on a small checkpoint:
@@ -17,6 +20,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import shlex
 import socket
 import subprocess
@@ -56,6 +60,19 @@ def start_server(model: Path, port: int, engine_args: str, startup_s: float) -> 
         time.sleep(0.5)
     process.terminate()
     raise RuntimeError(f"hookllm serve was not healthy within {startup_s} s")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (Linux ``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu_seconds(server_pid: int) -> dict[str, float]:
+    """CPU seconds of the API process and of its children (the engine process, with
+    multiprocessing's resource tracker, which does next to nothing)."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    return {"api": cpu_seconds(server_pid), "engine": sum(cpu_seconds(int(pid)) for pid in children)}
 
 
 async def one_request(http: "aiohttp.ClientSession", url: str, prompt: list[int], max_tokens: int) -> dict:
@@ -100,7 +117,7 @@ def client_process(url: str, jobs: list, ready: "multiprocessing.Queue", start_a
     results.put(asyncio.run(send_all(url, jobs, start_at.get())))
 
 
-def run_load(url: str, prompts, max_tokens, rate: float | None, num_clients: int) -> dict:
+def run_load(url: str, prompts, max_tokens, rate: float | None, num_clients: int, server_pid: int) -> dict:
     """All requests at once (``rate`` None) or with Poisson arrivals at ``rate`` req/s, sent by
     ``num_clients`` processes (one Python client cannot parse tens of thousands of events a second)."""
     gaps = np.random.default_rng(0).exponential(1.0 / rate, len(prompts)) if rate else np.zeros(len(prompts))
@@ -115,9 +132,11 @@ def run_load(url: str, prompts, max_tokens, rate: float | None, num_clients: int
     for _ in clients:  # the clock starts once every client has started up
         ready.get()
     start_at = time.time() + 0.1
+    cpu_before = server_cpu_seconds(server_pid)
     for _ in clients:
         start.put(start_at)
     results = [r for _ in clients for r in queue.get()]
+    cpu = {k: v - cpu_before[k] for k, v in server_cpu_seconds(server_pid).items()}
     for client in clients:
         client.join()
     seconds = max(r["last"] for r in results) - start_at
@@ -127,7 +146,9 @@ def run_load(url: str, prompts, max_tokens, rate: float | None, num_clients: int
     return {"rate_req_s": rate or "max", "num_requests": len(prompts), "client_processes": num_clients,
             "wall_s": seconds, "output_tok_s": output_tokens / seconds, "output_tokens": output_tokens,
             "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)), "ttft_p99_ms": 1e3 * float(np.percentile(ttft, 99)),
-            "tpot_p50_ms": 1e3 * float(np.percentile(tpot, 50)), "tpot_p99_ms": 1e3 * float(np.percentile(tpot, 99))}
+            "tpot_p50_ms": 1e3 * float(np.percentile(tpot, 50)), "tpot_p99_ms": 1e3 * float(np.percentile(tpot, 99)),
+            "api_cpu_s": cpu["api"], "engine_cpu_s": cpu["engine"],
+            "api_cpu_us_per_token": 1e6 * cpu["api"] / max(1, output_tokens)}
 
 
 def run_offline(model: Path, prompts, max_tokens, engine_args: str) -> dict:
@@ -181,10 +202,10 @@ def main() -> None:
     server = start_server(model, port, args.engine_args, args.startup_s)
     try:
         url = f"http://{HOST}:{port}"
-        run_load(url, prompts[:2], [4, 4], None, 1)  # warm-up
+        run_load(url, prompts[:2], [4, 4], None, 1, server.pid)  # warm-up
         for rate in [None, *rates]:
             key = "full_concurrency" if rate is None else f"rate_{rate:g}"
-            results[key] = run_load(url, prompts, max_tokens, rate, args.client_processes)
+            results[key] = run_load(url, prompts, max_tokens, rate, args.client_processes, server.pid)
     finally:
         server.terminate()
         server.wait(60)
@@ -192,12 +213,15 @@ def main() -> None:
     for row in results.values():
         row["vs_offline"] = row["output_tok_s"] / results["offline"]["output_tok_s"]
     write_result(name, payload, args.out)
-    print(f"{'run':<18}{'out tok/s':>11}{'x offline':>11}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>9}  (ms)")
+    print(f"{'run':<18}{'out tok/s':>11}{'x offline':>11}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>9}  (ms)"
+          f"{'API CPU/s':>11}{'engine CPU/s':>14}{'API us/token':>14}")
     for key, row in results.items():
+        served = "ttft_p50_ms" in row
         latency = "".join(f"{row[k]:>{w}.1f}" for k, w in (("ttft_p50_ms", 10), ("ttft_p99_ms", 9),
-                                                            ("tpot_p50_ms", 10), ("tpot_p99_ms", 9))
-                          ) if "ttft_p50_ms" in row else ""
-        print(f"{key:<18}{row['output_tok_s']:>11.0f}{row['vs_offline']:>11.2f}{latency}")
+                                                            ("tpot_p50_ms", 10), ("tpot_p99_ms", 9))) if served else ""
+        cpu = (f"{'':7}{row['api_cpu_s'] / row['wall_s']:>11.2f}{row['engine_cpu_s'] / row['wall_s']:>14.2f}"
+               f"{row['api_cpu_us_per_token']:>14.1f}") if served else ""
+        print(f"{key:<18}{row['output_tok_s']:>11.0f}{row['vs_offline']:>11.2f}{latency}{cpu}")
 
 
 if __name__ == "__main__":
