@@ -22,7 +22,8 @@ from typing import Any, AsyncIterator
 from hookllm.chat import render_chat
 from hookllm.config import EngineConfig
 from hookllm.engine import LLMEngine
-from hookllm.engine_core import EngineProcess, EngineReport, EngineThread, OutputStream, rebuild_error
+from hookllm.engine_core import (EngineProcess, EngineReport, EngineThread, OutputStream, WireOutput, merge_wire,
+                                 rebuild_error)
 from hookllm.outputs import CompletionOutput, RequestOutput
 from hookllm.sampling_params import SamplingParams
 from hookllm.scheduler import SchedulerStats
@@ -48,20 +49,13 @@ class _Stream(OutputStream):
         self.queue: asyncio.Queue = asyncio.Queue()
 
 
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+# A queued item: a wire output (unpacked by the consumer), the abort's RequestOutput, or an error.
+QueueItem = WireOutput | RequestOutput | BaseException
+
+
+def _deliver(items: list[tuple[asyncio.Queue, QueueItem]]) -> None:
     for output_queue, item in items:
         output_queue.put_nowait(item)
-
-
-def merge_delta(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """Two consecutive delta outputs of one request as one."""
-    completions = {c.index: c for c in first.outputs}
-    for c in later.outputs:
-        old = completions.get(c.index)
-        completions[c.index] = c if old is None else dataclasses.replace(
-            c, text=old.text + c.text, token_ids=old.token_ids + c.token_ids,
-            logprobs=old.logprobs + c.logprobs if old.logprobs is not None and c.logprobs is not None else c.logprobs)
-    return dataclasses.replace(later, outputs=[completions[i] for i in sorted(completions)])
 
 
 class AsyncLLM:
@@ -163,18 +157,21 @@ class AsyncLLM:
             await asyncio.wrap_future(added)
             while not finished:
                 item = await stream.queue.get()
-                # Whatever else is already queued goes out with it, as one delta.
-                while isinstance(item, RequestOutput) and not item.finished and not stream.queue.empty():
+                # Whatever else is already queued goes out with it, as one delta. Queued outputs
+                # are wire tuples, unpacked here: the thread reading the engine's reports only
+                # routes them, so it holds the GIL as briefly as it can.
+                while type(item) is tuple and not item[1] and not stream.queue.empty():
                     later = stream.queue.get_nowait()
-                    if isinstance(later, BaseException):
-                        stream.queue.put_nowait(later)  # after this delta (nothing else is queued)
+                    if type(later) is not tuple:  # an error, or the abort's output: after this delta
+                        stream.queue.put_nowait(later)  # (nothing else is queued)
                         break
-                    item = merge_delta(item, later)
+                    item = merge_wire(item, later)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finished
-                yield item
+                output = stream.unpack(item) if type(item) is tuple else item
+                finished = output.finished
+                yield output
         finally:
             if not finished:
                 self.abort(request_id)
@@ -202,7 +199,7 @@ class AsyncLLM:
         """On the engine thread or the reader thread: hand a step's outputs to their streams."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
 
-        def put(stream: _Stream, item: RequestOutput | BaseException) -> None:
+        def put(stream: _Stream, item: QueueItem) -> None:
             batches.setdefault(stream.loop, []).append((stream.queue, item))
 
         with self._lock:
@@ -225,10 +222,9 @@ class AsyncLLM:
                 stream = self._streams.get(wire[0])
                 if stream is None:
                     continue  # aborted: its consumer already has its last output
-                output = stream.unpack(wire)
-                if output.finished:
+                if wire[1]:  # finished
                     del self._streams[wire[0]]
-                put(stream, output)
+                put(stream, wire)
         self._stats = report.stats
         for loop, items in batches.items():
             try:

@@ -13,7 +13,8 @@ It runs in one of two places, with the same loop and the same messages:
 
 Outputs travel as tuples, not ``RequestOutput`` objects: pickling a step's worth of dataclasses
 costs milliseconds, the tuples tens of microseconds. A request's prompt goes once, with its
-first output; the client puts the ``RequestOutput`` back together (``OutputStream.unpack``).
+first output; the client puts the ``RequestOutput`` back together (``OutputStream.unpack``), in
+the consumer, after merging the deltas that piled up (``merge_wire``).
 """
 
 from __future__ import annotations
@@ -65,6 +66,20 @@ def pack_output(output: RequestOutput, with_head: bool) -> WireOutput:
     completions = [(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason)
                    for c in output.outputs]
     return output.request_id, output.finished, head, completions, output.metrics if output.finished else None
+
+
+def merge_wire(first: WireOutput, later: WireOutput) -> WireOutput:
+    """Two consecutive delta outputs of one request as one: ``later``'s state with both steps'
+    new text, token ids and logprobs (and the head, which only a request's first output has)."""
+    request_id, finished, head, completions, metrics = later
+    merged = {c[0]: c for c in first[3]}
+    for c in completions:
+        old = merged.get(c[0])
+        if old is not None:
+            logprobs = old[4] + c[4] if old[4] is not None and c[4] is not None else c[4]
+            c = (c[0], old[1] + c[1], old[2] + c[2], c[3], logprobs, c[5], c[6])
+        merged[c[0]] = c
+    return request_id, finished, first[2] if first[2] is not None else head, [merged[i] for i in sorted(merged)], metrics
 
 
 def rebuild_error(error: tuple[str, str]) -> Exception:

@@ -11,6 +11,7 @@ import pytest
 
 from hookllm import EngineConfig, LLMEngine, SamplingParams, hookimpl
 from hookllm.async_engine import AsyncLLM, EngineDeadError, EngineStepError
+from hookllm.engine_core import merge_wire
 from hookllm.plugins.manager import PluginInfo, PluginManager, discover_plugins
 from hookllm.server.app import ServerSettings, build_app
 
@@ -128,6 +129,14 @@ def test_a_slow_consumer_gets_the_deltas_that_piled_up_as_one(engine, make_llm):
     assert first.outputs[0].text + rest.outputs[0].text == expected.text
     assert (first.finished, rest.finished, rest.outputs[0].finish_reason) == (False, True, "length")
     assert rest.prompt_token_ids == first.prompt_token_ids
+
+
+def test_merged_wire_outputs_join_text_tokens_and_logprobs_and_keep_the_head():
+    head = ("Hi", [5, 6], None, 0)
+    first = ("r", False, head, [(0, "He", [1], -0.5, [{1: "a"}], None, None)], None)
+    later = ("r", True, None, [(0, "llo", [2, 3], -1.5, [{2: "b"}, {3: "c"}], "length", None)], "metrics")
+    assert merge_wire(first, later) == (
+        "r", True, head, [(0, "Hello", [1, 2, 3], -1.5, [{1: "a"}, {2: "b"}, {3: "c"}], "length", None)], "metrics")
 
 
 @pytest.fixture(scope="module")
