@@ -131,6 +131,10 @@ class Worker:
             return max(1, self.config.cpu_kv_cache_bytes // self.block_bytes)
         weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         activation_bytes = self._profile_activation_bytes()
+        if self.config.max_cuda_graph_tokens and not self.config.enforce_eager:
+            # The graphs of steps with prefill keep a memory pool about that large for good;
+            # steps run eagerly (image embeddings, more tokens than captured) need their own.
+            activation_bytes *= 2
         free, total = torch.cuda.mem_get_info(self.device)
         budget = min(total * self.config.gpu_memory_utilization - weight_bytes - activation_bytes,
                      free - activation_bytes)
