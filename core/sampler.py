@@ -2,62 +2,25 @@
 
 Every row is sampled the same way (exponential-race sampling: ``argmax(probs / q)`` with
 ``q ~ Exp(1)``, which draws from ``probs``), in one pass over the logits on CUDA
-(``sample_with_noise`` in :mod:`hookllm.kernels`). Rows without a seed draw ``q`` from the
-engine's generator. A request with a seed draws it from a counter-based hash of (seed, position
-of the token being sampled, vocabulary index), computed on the logits' device for all seeded
-rows at once: the noise depends on nothing else, so a seed gives the same tokens alone or in
-any batch, with sync or async scheduling, after a preemption, and on the CPU or CUDA.
+(``sample_with_hashed_noise`` in :mod:`hookllm.kernels`), which hashes each row's ``q`` from a
+32-bit key and the vocabulary index as it goes: no noise tensor is ever written. A row without
+a seed gets a random key from the engine's generator; a request with a seed gets the hash of
+(seed, position of the token being sampled). Its noise depends on nothing else, so a seed gives
+the same tokens alone or in any batch, with sync or async scheduling, after a preemption, and
+on the CPU or CUDA.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Sequence, TypeVar
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from hookllm.kernels import ops_for
+from hookllm.kernels.reference import MASK32, absorb
 from hookllm.utils import to_device_async
 from hookllm.batch import RequestState
-
-MASK32 = 0xFFFFFFFF
-GOLDEN = 0x9E3779B9  # scrambled into each word, so a zero word does not hash to zero
-
-# Python ints, int64 numpy arrays and int64 tensors: the hash runs on each with the same code.
-Words = TypeVar("Words", int, np.ndarray, torch.Tensor)
-
-
-def _mul32(x: Words, c: int) -> Words:
-    """``x * c`` mod 2^32 for ``x`` in [0, 2^32), in place on arrays. ``c`` is split into 16-bit
-    halves so that no product leaves int64 (a wrapped product is undefined behaviour in C++)."""
-    high = x * (c >> 16)
-    high &= 0xFFFF
-    high <<= 16
-    x *= c & 0xFFFF
-    x += high
-    x &= MASK32
-    return x
-
-
-def _fmix32(h: Words) -> Words:
-    """murmur3's 32-bit finalizer of ``h`` in [0, 2^32), in place on arrays."""
-    h ^= h >> 16
-    h = _mul32(h, 0x85EBCA6B)
-    h ^= h >> 13
-    h = _mul32(h, 0xC2B2AE35)
-    h ^= h >> 16
-    return h
-
-
-def _scramble(word: Words) -> Words:
-    return _fmix32(word ^ GOLDEN)
-
-
-def _absorb(h: Words, word: Words) -> Words:
-    """The hash state ``h`` with one more 32-bit word mixed in. The word is scrambled before the
-    xor, so two states differing in a few bits do not give the same stream shifted."""
-    return _fmix32(h ^ _scramble(word))
 
 
 def seeded_row_keys(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
@@ -67,31 +30,8 @@ def seeded_row_keys(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarra
     halves are hashed. ``positions`` are the sampled tokens' indices in their sequences.
     """
     halves = np.array([(seed & MASK32, (seed >> 32) & MASK32) for seed in seeds], dtype=np.int64).reshape(-1, 2)
-    keys = _absorb(_absorb(np.zeros(len(halves), dtype=np.int64), halves[:, 0]), halves[:, 1])
-    return _absorb(keys, np.asarray(positions, dtype=np.int64))
-
-
-@functools.lru_cache(maxsize=8)
-def _scrambled_vocab(vocab: int, device: torch.device) -> torch.Tensor:
-    with torch.inference_mode(False):  # a plain tensor: the cache outlives the inference_mode that built it
-        return _scramble(torch.arange(vocab, dtype=torch.int64, device=device))
-
-
-def seeded_exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) noise ``[len(keys), vocab]`` (float32) for ``seeded_row_keys`` (int64, on the device).
-
-    Element ``j`` of a row is ``-log(u)`` with ``u = (b + 0.5) / 2**24``, ``b`` the top 24 bits
-    of the row's hash with ``j`` absorbed: ``u`` is in (0, 1), so the noise is finite and
-    positive. The integers are exact in int64, and ``u`` (which float32 cannot hold exactly)
-    and the log are computed in float64 before rounding to float32, so CPU and CUDA agree.
-    """
-    bits = _fmix32(keys[:, None] ^ _scrambled_vocab(vocab, keys.device)[None, :])
-    bits >>= 8
-    uniform = bits.double()
-    del bits  # frees a [rows, vocab] int64 tensor before the float32 result is allocated
-    uniform += 0.5
-    uniform *= 2.0 ** -24
-    return uniform.log_().neg_().float()
+    keys = absorb(absorb(np.zeros(len(halves), dtype=np.int64), halves[:, 0]), halves[:, 1])
+    return absorb(keys, np.asarray(positions, dtype=np.int64))
 
 
 def apply_top_k_top_p_min_p(
@@ -135,13 +75,15 @@ def sample(logits: torch.Tensor, requests: Sequence[RequestState], generator: to
         scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
         logits = apply_top_k_top_p_min_p(scaled, params[:, 1].long(), params[:, 2], params[:, 3])
         temperature = (temperature > 0).float()
-    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(generator=generator)
+    # Each row's noise is hashed from a 32-bit key inside the sampling kernel: a random key for
+    # a row without a seed (the engine's generator), the hash of (seed, position) for a seeded one.
+    keys = torch.randint(0, 2**32, (len(requests),), generator=generator, device=logits.device)
     seeded = [(row, r.sampling_params.seed, position) for row, (r, position) in enumerate(zip(requests, positions))
               if r.sampling_params.seed is not None and r.sampling_params.temperature > 0]
     if seeded:
         rows, seeds, seeded_positions = zip(*seeded)
-        # One copy for all seeded rows: their row indices and hash keys.
+        # One copy for all seeded rows: their row indices and keys.
         table = to_device_async(torch.from_numpy(np.stack([np.asarray(rows, dtype=np.int64),
-                                                           seeded_row_keys(seeds, seeded_positions)])), noise.device)
-        noise.index_copy_(0, table[0], seeded_exponential_noise(table[1], noise.shape[-1]))
-    return ops_for(logits).sample_with_noise(logits, temperature, noise)
+                                                           seeded_row_keys(seeds, seeded_positions)])), keys.device)
+        keys.index_copy_(0, table[0], table[1])
+    return ops_for(logits).sample_with_hashed_noise(logits, temperature, keys)

@@ -12,6 +12,10 @@ offset ``t % block_size``; its flat slot is ``block_id * block_size + offset``.
 
 from __future__ import annotations
 
+import functools
+from typing import TypeVar
+
+import numpy as np
 import torch
 
 
@@ -76,19 +80,82 @@ def paged_attention(
     return out
 
 
-def sample_with_noise(
+MASK32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9  # scrambled into each word, so a zero word does not hash to zero
+
+# Python ints, int64 numpy arrays and int64 tensors: the hash runs on each with the same code.
+Words = TypeVar("Words", int, np.ndarray, torch.Tensor)
+
+
+def _mul32(x: Words, c: int) -> Words:
+    """``x * c`` mod 2^32 for ``x`` in [0, 2^32), in place on arrays. ``c`` is split into 16-bit
+    halves so that no product leaves int64 (a wrapped product is undefined behaviour in C++)."""
+    high = x * (c >> 16)
+    high &= 0xFFFF
+    high <<= 16
+    x *= c & 0xFFFF
+    x += high
+    x &= MASK32
+    return x
+
+
+def _fmix32(h: Words) -> Words:
+    """murmur3's 32-bit finalizer of ``h`` in [0, 2^32), in place on arrays."""
+    h ^= h >> 16
+    h = _mul32(h, 0x85EBCA6B)
+    h ^= h >> 13
+    h = _mul32(h, 0xC2B2AE35)
+    h ^= h >> 16
+    return h
+
+
+def _scramble(word: Words) -> Words:
+    return _fmix32(word ^ GOLDEN)
+
+
+def absorb(h: Words, word: Words) -> Words:
+    """The hash state ``h`` with one more 32-bit word mixed in. The word is scrambled before the
+    xor, so two states differing in a few bits do not give the same stream shifted."""
+    return _fmix32(h ^ _scramble(word))
+
+
+@functools.lru_cache(maxsize=8)
+def _scrambled_vocab(vocab: int, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):  # a plain tensor: the cache outlives the inference_mode that built it
+        return _scramble(torch.arange(vocab, dtype=torch.int64, device=device))
+
+
+def hashed_exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise ``[len(keys), vocab]`` (float32) for 32-bit ``keys`` (int64).
+
+    Element ``j`` of a row is ``-log(u)`` with ``u = (b + 0.5) / 2**24``, ``b`` the top 24 bits
+    of the row's hash with ``j`` absorbed: ``u`` is in (0, 1), so the noise is finite and
+    positive. The integers are exact in int64, and ``u`` (which float32 cannot hold exactly)
+    and the log are computed in float64 before rounding to float32, so CPU and CUDA agree.
+    """
+    bits = _fmix32(keys[:, None] ^ _scrambled_vocab(vocab, keys.device)[None, :])
+    bits >>= 8
+    uniform = bits.double()
+    del bits  # frees a [rows, vocab] int64 tensor before the float32 result is allocated
+    uniform += 0.5
+    uniform *= 2.0 ** -24
+    return uniform.log_().neg_().float()
+
+
+def sample_with_hashed_noise(
     logits: torch.Tensor,  # [rows, vocab], any float dtype
     temperature: torch.Tensor,  # [rows] float32; 0 = greedy
-    noise: torch.Tensor,  # [rows, vocab] float32, Exp(1) draws (not read for greedy rows)
+    keys: torch.Tensor,  # [rows] int64 in [0, 2**32): each row's noise key (not read for greedy rows)
 ) -> torch.Tensor:
-    """One token id per row: ``argmax(softmax(logits / T) / noise)``, or ``argmax(logits)`` where T = 0.
+    """One token id per row: ``argmax(softmax(logits / T) / q)``, or ``argmax(logits)`` where T = 0,
+    with ``q = hashed_exponential_noise(keys, vocab)``.
 
-    With ``noise ~ Exp(1)`` this draws from ``softmax(logits / T)`` (the exponential race); it
-    is computed as ``argmax(logits / T - log(noise))``, the same order without the softmax.
+    With ``q ~ Exp(1)`` this draws from ``softmax(logits / T)`` (the exponential race); it is
+    computed as ``argmax(logits / T - log(q))``, the same order without the softmax.
     """
     x = logits.float()
     sampled = temperature > 0
-    scores = x / torch.where(sampled, temperature, 1.0)[:, None] - noise.log()
+    scores = x / torch.where(sampled, temperature, 1.0)[:, None] - hashed_exponential_noise(keys, x.shape[1]).log()
     return torch.where(sampled[:, None], scores, x).argmax(dim=-1)
 
 

@@ -1,14 +1,15 @@
 """Triton kernels for the small per-layer ops and the sampler's last pass.
 
 ``rms_norm`` (with the residual add fused), ``apply_rotary``, ``silu_and_mul``,
-``sample_with_noise`` and ``apply_token_bitmask`` have the signatures and semantics of their twins in
+``sample_with_hashed_noise`` and ``apply_token_bitmask`` have the signatures and semantics of their twins in
 :mod:`hookllm.kernels.reference`, including where results are rounded to the model dtype. In
 torch each is five to twenty elementwise kernels over the batch; here each is one, which in a
 decode step (hundreds of tiny kernels per forward) is most of the non-matmul time.
 
-``sample_with_noise``: one program per row streams the row's logits (any float dtype) and
-noise once, keeping a running best score per lane, instead of the five full passes (scale,
-softmax, divide, argmax) the torch version makes over a ``[rows, vocab]`` float32 tensor.
+``sample_with_hashed_noise``: one program per row streams the row's logits (any float dtype)
+once, hashing each token's noise from the row's key in registers and keeping a running best
+score per lane, instead of the torch version's hash passes over a ``[rows, vocab]`` int64
+tensor and its five passes (scale, softmax, divide, argmax) over the float32 scores.
 
 ``apply_token_bitmask``: one program per (mask row, column block) unpacks its bits and writes
 -inf only where a token is refused, instead of the torch version's unpack, pad, gather, fill and
@@ -110,20 +111,33 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _sample_with_noise_kernel(logits_ptr, noise_ptr, temperature_ptr, out_ptr, vocab, logits_stride,
-                              noise_stride, BLOCK: tl.constexpr):
+def _fmix32(h):
+    # murmur3's 32-bit finalizer on uint32 lanes: products wrap mod 2^32, as the reference's do.
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h ^= h >> 16
+    return h
+
+
+@triton.jit
+def _sample_with_hashed_noise_kernel(logits_ptr, keys_ptr, temperature_ptr, out_ptr, vocab, logits_stride,
+                                     BLOCK: tl.constexpr):
     row = tl.program_id(0)
     temperature = tl.load(temperature_ptr + row)
     sampled = temperature > 0.0
     divisor = tl.where(sampled, temperature, 1.0)
+    key = tl.load(keys_ptr + row).to(tl.uint32)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_col = tl.zeros([BLOCK], tl.int32)
-    noise_end = tl.where(sampled, vocab, 0)  # greedy rows never read their noise
     for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         in_row = cols < vocab
         x = tl.load(logits_ptr + row * logits_stride + cols, mask=in_row, other=float("-inf")).to(tl.float32)
-        q = tl.load(noise_ptr + row * noise_stride + cols, mask=cols < noise_end, other=1.0)
+        # The reference's hashed_exponential_noise, element by element: u and its log in float64.
+        bits = _fmix32(key ^ _fmix32(cols.to(tl.uint32) ^ 0x9E3779B9)) >> 8
+        q = (-tl.log((bits.to(tl.float64) + 0.5) * 5.9604644775390625e-08)).to(tl.float32)  # 2^-24
         score = tl.where(sampled, x / divisor - tl.log(q), x)
         better = score > best  # strict: each lane keeps its first column among equals
         best = tl.where(better, score, best)
@@ -134,14 +148,14 @@ def _sample_with_noise_kernel(logits_ptr, noise_ptr, temperature_ptr, out_ptr, v
     tl.store(out_ptr + row, tl.minimum(col, vocab - 1).to(tl.int64))
 
 
-def sample_with_noise(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+def sample_with_hashed_noise(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     # The kernel reads temperature[row] at row: a strided view (the sampler's params[:, 0]) is copied.
     temperature = temperature.contiguous()
     if rows:
-        _sample_with_noise_kernel[(rows,)](logits, noise, temperature, out, vocab, logits.stride(0), noise.stride(0),
-                                           BLOCK=min(BLOCK, triton.next_power_of_2(vocab)))
+        _sample_with_hashed_noise_kernel[(rows,)](logits, keys.contiguous(), temperature, out, vocab, logits.stride(0),
+                                                  BLOCK=min(BLOCK, triton.next_power_of_2(vocab)))
     return out
 
 

@@ -224,46 +224,61 @@ def tolerance(dtype: torch.dtype) -> dict:
 
 
 def sampling_inputs(rows: int, vocab: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple:
-    """Random logits with some banned (-inf) tokens, every other row greedy, and Exp(1) noise."""
+    """Random logits with some banned (-inf) tokens, every other row greedy, and 32-bit noise
+    keys (the largest ones included: the kernel hashes them as unsigned words)."""
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
     logits[:, ::7] = float("-inf")
     temperature = torch.tensor([0.0 if r % 2 else 0.5 + r / rows for r in range(rows)])
-    noise = torch.empty(rows, vocab).exponential_(generator=gen)
-    return logits, temperature, noise
+    keys = torch.randint(0, 2**32, (rows,), generator=gen)
+    keys[0] = 2**32 - 1
+    return logits, temperature, keys
 
 
 @pytest.mark.parametrize("vocab", [97, 3000], ids=["one-block", "several-blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sample_with_noise_kernel_matches_reference(vocab, dtype):
+def test_sample_with_hashed_noise_kernel_matches_reference(vocab, dtype):
     from hookllm.kernels import triton_ops
 
-    logits, temperature, noise = sampling_inputs(6, vocab, dtype)
-    expected = reference.sample_with_noise(logits, temperature, noise)
-    assert torch.equal(triton_ops.sample_with_noise(logits, temperature, noise), expected)
+    logits, temperature, keys = sampling_inputs(6, vocab, dtype)
+    expected = reference.sample_with_hashed_noise(logits, temperature, keys)
+    assert torch.equal(triton_ops.sample_with_hashed_noise(logits, temperature, keys), expected)
     assert torch.equal(expected[1::2], logits[1::2].float().argmax(dim=-1))  # greedy rows ignore the noise
 
 
-def test_sample_with_noise_kernel_reads_each_row_temperature_from_a_strided_view():
+def test_sample_with_hashed_noise_kernel_draws_from_the_distribution_the_reference_does():
+    # Many keys over one row: the kernel's draws equal the reference's key by key, so their
+    # frequencies follow softmax(logits) as the reference's do (tests/test_sampling.py).
     from hookllm.kernels import triton_ops
 
-    logits, _, noise = sampling_inputs(8, 97, torch.float32)
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])).repeat(64, 1)
+    keys = torch.randint(0, 2**32, (64,), generator=torch.Generator().manual_seed(3))
+    temperature = torch.ones(64)
+    expected = reference.sample_with_hashed_noise(logits, temperature, keys)
+    assert torch.equal(triton_ops.sample_with_hashed_noise(logits, temperature, keys), expected)
+    assert len(set(expected.tolist())) > 1
+
+
+def test_sample_with_hashed_noise_kernel_reads_each_row_temperature_from_a_strided_view():
+    from hookllm.kernels import triton_ops
+
+    logits, _, keys = sampling_inputs(8, 97, torch.float32)
     # The sampler passes column 0 of its [rows, 4] parameter table; the other columns read as
     # temperatures would make rows greedy.
     table = torch.zeros(8, 4)
     table[:, 0] = 5.0
-    expected = reference.sample_with_noise(logits, table[:, 0].clone(), noise)
+    expected = reference.sample_with_hashed_noise(logits, table[:, 0].clone(), keys)
     assert not torch.equal(expected, logits.argmax(dim=-1))
-    assert torch.equal(triton_ops.sample_with_noise(logits, table[:, 0], noise), expected)
+    assert torch.equal(triton_ops.sample_with_hashed_noise(logits, table[:, 0], keys), expected)
 
 
-def test_sample_with_noise_kernel_picks_the_first_of_tied_maxima():
+def test_sample_with_hashed_noise_kernel_picks_the_first_of_tied_maxima():
     from hookllm.kernels import triton_ops
 
     logits = torch.zeros(2, 3000)
     logits[:, [5, 2100, 2999]] = 1.0  # in different lanes and blocks
-    temperature, noise = torch.zeros(2), torch.ones(2, 3000)
-    assert triton_ops.sample_with_noise(logits, temperature, noise).tolist() == [5, 5]
+    temperature, keys = torch.zeros(2), torch.zeros(2, dtype=torch.long)
+    assert triton_ops.sample_with_hashed_noise(logits, temperature, keys).tolist() == [5, 5]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

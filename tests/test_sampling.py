@@ -8,7 +8,8 @@ import torch
 
 from hookllm import SamplingParams, testing
 from hookllm.batch import RequestState
-from hookllm.sampler import apply_top_k_top_p_min_p, sample, seeded_exponential_noise, seeded_row_keys
+from hookllm.kernels.reference import hashed_exponential_noise
+from hookllm.sampler import apply_top_k_top_p_min_p, sample, seeded_row_keys
 
 PROMPTS = [[5, 9, 13, 200, 7], [42, 43, 44], [100] * 12]
 
@@ -100,7 +101,7 @@ def test_greedy_rows_stay_greedy_next_to_sampled_rows():
 
 
 def _noise(seeds, positions, vocab):
-    return seeded_exponential_noise(torch.from_numpy(seeded_row_keys(seeds, positions)), vocab)
+    return hashed_exponential_noise(torch.from_numpy(seeded_row_keys(seeds, positions)), vocab)
 
 
 def _reference_noise(seed: int, position: int, index: int) -> float:
