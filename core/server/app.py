@@ -187,6 +187,11 @@ async def start_streams(gens: list[AsyncIterator[RequestOutput]]) -> list[AsyncI
 
 async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several requests as they come, tagged with the request's index."""
+    if len(gens) == 1:  # the usual case: no pump task and queue to pass through per output
+        async with contextlib.aclosing(gens[0]) as gen:
+            async for output in gen:
+                yield 0, output
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, gen: AsyncIterator[RequestOutput]) -> None:
