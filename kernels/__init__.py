@@ -3,9 +3,9 @@
 ``get_attention_backend(name)`` returns a module-like object with ``store_kv`` and
 ``paged_attention``: ``"torch"`` is :mod:`hookllm.kernels.reference`, ``"triton"`` the Triton
 kernels, and ``"auto"`` picks Triton on CUDA and torch elsewhere. ``ops_for(tensor)`` returns
-the module with ``rms_norm``, ``apply_rotary``, ``silu_and_mul``, ``sample_with_hashed_noise`` and
-``apply_token_bitmask`` for
-that tensor's device: the Triton kernels on CUDA, their torch references elsewhere.
+the module with ``rms_norm``, ``apply_rotary``, ``silu_and_mul``, ``sample_with_hashed_noise``
+and ``apply_token_bitmask`` for that tensor's device: the Triton kernels on CUDA, their torch
+references elsewhere.
 ``compiled_triton_variants()`` counts the Triton kernel variants compiled so far.
 """
 
