@@ -4,6 +4,7 @@ placeholder expansion of prompts."""
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import io
 import json
@@ -88,14 +89,22 @@ class ImageProcessor:
             height, width = self.crop_size
             top, left = (image.height - height) // 2, (image.width - width) // 2
             image = image.crop((left, top, left + width, top + height))
-        pixels = np.asarray(image, dtype=np.float64).transpose(2, 0, 1)
-        # float64 then float32, as transformers rescales.
-        pixels = (pixels * self.rescale_factor if self.do_rescale else pixels).astype(np.float32)
+        # An RGB image holds 8-bit values: each output element is a lookup in a 256-entry table
+        # per channel, the same float32 as the arithmetic on every pixel gives, several times faster.
+        channels = np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1))
+        return torch.from_numpy(self._pixel_values[np.arange(3)[:, None, None], channels])
+
+    @functools.cached_property
+    def _pixel_values(self) -> np.ndarray:
+        """``[3, 256]`` float32: each channel's output for each 8-bit value. Rescaled in float64
+        then cast to float32, as transformers rescales; normalized in float32."""
+        values = np.tile(np.arange(256, dtype=np.float64), (3, 1))
+        values = (values * self.rescale_factor if self.do_rescale else values).astype(np.float32)
         if self.do_normalize:
-            mean = np.asarray(self.image_mean, dtype=np.float32)[:, None, None]
-            std = np.asarray(self.image_std, dtype=np.float32)[:, None, None]
-            pixels = (pixels - mean) / std
-        return torch.from_numpy(np.ascontiguousarray(pixels))
+            mean = np.asarray(self.image_mean, dtype=np.float32)[:, None]
+            std = np.asarray(self.image_std, dtype=np.float32)[:, None]
+            values = (values - mean) / std
+        return values
 
     def _resized_size(self, width: int, height: int) -> tuple[int, int]:
         """(width, height) after resizing; the shortest-edge rule truncates the long side as transformers does."""
