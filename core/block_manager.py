@@ -121,6 +121,15 @@ class BlockManager:
         Returns False, changing nothing, when too few blocks are free.
         """
         size = self.block_size
+        end, block_ids = request.num_computed_tokens + num_new_tokens, request.block_ids
+        first = request.num_computed_tokens // size
+        if (num_new_tokens and not cached_blocks and end <= len(block_ids) * size and first == (end - 1) // size
+                and self.blocks[block_ids[first]].ref_count == 1):
+            # The usual decode step, for every running request every step: the tokens go into a
+            # block the request alone holds already, so nothing is allocated, copied or rewritten.
+            if self.enable_prefix_caching:
+                self._register_full_blocks(request, end)
+            return True
         computed = request.num_computed_tokens + len(cached_blocks) * size
         total_blocks = self.blocks_needed(computed + num_new_tokens)
         held = len(request.block_ids) + len(cached_blocks)
