@@ -128,18 +128,18 @@ def _scrambled_vocab(vocab: int, device: torch.device) -> torch.Tensor:
 def hashed_exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) noise ``[len(keys), vocab]`` (float32) for 32-bit ``keys`` (int64).
 
-    Element ``j`` of a row is ``-log(u)`` with ``u = (b + 0.5) / 2**24``, ``b`` the top 24 bits
-    of the row's hash with ``j`` absorbed: ``u`` is in (0, 1), so the noise is finite and
-    positive. The integers are exact in int64, and ``u`` (which float32 cannot hold exactly)
-    and the log are computed in float64 before rounding to float32, so CPU and CUDA agree.
+    Element ``j`` of a row is ``-log(u)`` with ``u = (b + 0.5) / 2**23``, ``b`` the top 23 bits
+    of the row's hash with ``j`` absorbed: ``u`` is in (0, 1) and exact in float32, so the noise
+    is finite and positive, and the integers are exact on every device (the log's last bit may
+    differ between libraries).
     """
     bits = _fmix32(keys[:, None] ^ _scrambled_vocab(vocab, keys.device)[None, :])
-    bits >>= 8
-    uniform = bits.double()
+    bits >>= 9
+    uniform = bits.float()
     del bits  # frees a [rows, vocab] int64 tensor before the float32 result is allocated
     uniform += 0.5
-    uniform *= 2.0 ** -24
-    return uniform.log_().neg_().float()
+    uniform *= 2.0 ** -23
+    return uniform.log_().neg_()
 
 
 def sample_with_hashed_noise(

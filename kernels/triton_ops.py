@@ -135,9 +135,9 @@ def _sample_with_hashed_noise_kernel(logits_ptr, keys_ptr, temperature_ptr, out_
         cols = start + tl.arange(0, BLOCK)
         in_row = cols < vocab
         x = tl.load(logits_ptr + row * logits_stride + cols, mask=in_row, other=float("-inf")).to(tl.float32)
-        # The reference's hashed_exponential_noise, element by element: u and its log in float64.
-        bits = _fmix32(key ^ _fmix32(cols.to(tl.uint32) ^ 0x9E3779B9)) >> 8
-        q = (-tl.log((bits.to(tl.float64) + 0.5) * 5.9604644775390625e-08)).to(tl.float32)  # 2^-24
+        # The reference's hashed_exponential_noise, element by element (u exact in float32).
+        bits = _fmix32(key ^ _fmix32(cols.to(tl.uint32) ^ 0x9E3779B9)) >> 9
+        q = -tl.log((bits.to(tl.float32) + 0.5) * 1.1920928955078125e-07)  # 2^-23
         score = tl.where(sampled, x / divisor - tl.log(q), x)
         better = score > best  # strict: each lane keeps its first column among equals
         best = tl.where(better, score, best)
