@@ -80,6 +80,8 @@ def paged_attention(
     return out
 
 
+# The sampler's noise: a counter-based hash (murmur3's 32-bit finalizer) of a row's key and the
+# vocabulary index, which ``sample_with_hashed_noise`` computes in registers on CUDA.
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9  # scrambled into each word, so a zero word does not hash to zero
 
