@@ -32,6 +32,7 @@ from hookllm.utils import shorten_gil_switch_interval
 
 Prompt = str | list[int] | dict[str, Any]
 
+
 class EngineStepError(RuntimeError):
     """``engine.step()`` raised (e.g. a plugin's hook) while this request was in the engine."""
 

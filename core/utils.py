@@ -22,8 +22,9 @@ def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 # With the default 5 ms switch interval a thread that needs the GIL for a moment (to hand over a
-# step's outputs, or between a logits job's GIL-free calls) waits whole milliseconds behind a
-# busy thread that holds it.
+# step's outputs) waits whole milliseconds behind a busy thread that holds it. Not for the engine
+# loop's own process: there the logits-job thread and the loop traded the GIL so often that
+# steps got slower (docs/performance.md, "2026-11-30, evening").
 GIL_SWITCH_INTERVAL_S = 0.0002
 
 

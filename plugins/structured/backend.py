@@ -139,7 +139,8 @@ def _advance(entries: list[_Matcher], in_flight: dict[str, int]) -> None:
     """Feed each matcher the output tokens it has not seen (the in-flight one included); record
     the first error. Only the new tokens are read: a request's output may be long. The usual
     step's one new token per matcher goes to llguidance's parallel consume, which runs without
-    the GIL (one matcher at a time holds it); a longer tail (a re-added request) goes alone."""
+    the GIL (consuming one matcher at a time holds it); a longer tail (a re-added request) goes
+    alone."""
     single: list[tuple[_Matcher, int]] = []
     for entry in entries:
         state = entry.state
