@@ -114,14 +114,17 @@ def profiled(engine, prompts, max_tokens) -> dict:
 
 
 def main() -> None:
+    from hookllm.config import EngineConfig
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
     parser.add_argument("--root", default="/tmp/hookllm-bench")
     parser.add_argument("--workload", default="short", choices=sorted(WORKLOADS))
     parser.add_argument("--runs", type=int, default=3, help="traced runs on one engine (prefix cache reset)")
     parser.add_argument("--profile", action="store_true", help="one more run under torch.profiler")
-    parser.add_argument("--max-cuda-graph-tokens", type=int, default=0,
-                        help="the engine option: steps with prefill up to this many tokens as CUDA graphs")
+    parser.add_argument("--max-cuda-graph-tokens", type=int, default=EngineConfig.max_cuda_graph_tokens,
+                        help="the engine option: steps with prefill up to this many tokens as CUDA graphs "
+                             "(0: eagerly; default: the engine's)")
     add_out_argument(parser)
     args = parser.parse_args()
 

@@ -401,6 +401,8 @@ def print_startup(startup: dict) -> None:
 
 
 def main() -> None:
+    from hookllm.config import EngineConfig
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
     parser.add_argument("--tiny", action="store_true", help="a tiny random Llama on the CPU (smoke test)")
@@ -417,8 +419,9 @@ def main() -> None:
     parser.add_argument("--static-batch-size", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--max-cuda-graph-tokens", type=int, default=0,
-                        help="the engine option: steps with prefill up to this many tokens as CUDA graphs")
+    parser.add_argument("--max-cuda-graph-tokens", type=int, default=EngineConfig.max_cuda_graph_tokens,
+                        help="the engine option: steps with prefill up to this many tokens as CUDA graphs "
+                             "(0: eagerly; default: the engine's)")
     parser.add_argument("--latency-rate", type=float, default=0.0, help="workload B arrival rate (0: skip)")
     parser.add_argument("--latency-requests", type=int, default=128)
     add_out_argument(parser)

@@ -111,7 +111,7 @@ class EngineConfig:
     attention_backend: str = _option("auto", "attention kernels", choices=["auto", "torch", "triton"])
     enforce_eager: bool = _option(False, "CUDA: no CUDA graphs")
     max_cuda_graph_batch_size: int = _option(512, "largest decode batch captured in a CUDA graph")
-    max_cuda_graph_tokens: int = _option(0, "CUDA: steps with prefill of up to this many tokens also run as CUDA "
+    max_cuda_graph_tokens: int = _option(8192, "CUDA: steps with prefill of up to this many tokens also run as CUDA "
                                          "graphs, padded to token buckets (0: they run eagerly)")
     warmup: bool = _option(True, "CUDA: at start-up, run synthetic steps that compile every kernel variant and "
                            "replay every CUDA graph, so no request waits for a compile")

@@ -6,9 +6,9 @@
 torch each is five to twenty elementwise kernels over the batch; here each is one, which in a
 decode step (hundreds of tiny kernels per forward) is most of the non-matmul time.
 
-``sample_with_hashed_noise``: one program per row streams the row's logits (any float dtype)
-once, hashing each token's noise from the row's key in registers and keeping a running best
-score per lane, instead of the torch version's hash passes over a ``[rows, vocab]`` int64
+``sample_with_hashed_noise``: programs stream a row's logits (any float dtype) once, a range of
+columns each, hashing each token's noise from the row's key in registers (greedy rows skip it)
+and keeping a running best score per lane, instead of the torch version's hash passes over a ``[rows, vocab]`` int64
 tensor and its five passes (scale, softmax, divide, argmax) over the float32 scores.
 
 ``apply_token_bitmask``: one program per (mask row, column block) unpacks its bits and writes
@@ -22,7 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
+from hookllm.kernels.triton_attention import num_sms
+
 BLOCK = 2048
+# The sampling kernel cuts rows into column ranges until about this many programs run per SM.
+SAMPLER_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -122,40 +126,74 @@ def _fmix32(h):
 
 
 @triton.jit
-def _sample_with_hashed_noise_kernel(logits_ptr, keys_ptr, temperature_ptr, out_ptr, vocab, logits_stride,
-                                     BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _sample_with_hashed_noise_kernel(logits_ptr, keys_ptr, temperature_ptr, best_ptr, best_col_ptr, out_ptr, vocab,
+                                     logits_stride, split_len, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    row, split = tl.program_id(0), tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     sampled = temperature > 0.0
     divisor = tl.where(sampled, temperature, 1.0)
     key = tl.load(keys_ptr + row).to(tl.uint32)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_col = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab, BLOCK):
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, vocab)
+    for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        in_row = cols < vocab
+        in_row = cols < hi
         x = tl.load(logits_ptr + row * logits_stride + cols, mask=in_row, other=float("-inf")).to(tl.float32)
-        # The reference's hashed_exponential_noise, element by element (u exact in float32).
-        bits = _fmix32(key ^ _fmix32(cols.to(tl.uint32) ^ 0x9E3779B9)) >> 9
-        q = -tl.log((bits.to(tl.float32) + 0.5) * 1.1920928955078125e-07)  # 2^-23
-        score = tl.where(sampled, x / divisor - tl.log(q), x)
+        if sampled:  # greedy rows skip the hash
+            # The reference's hashed_exponential_noise, element by element (u exact in float32).
+            bits = _fmix32(key ^ _fmix32(cols.to(tl.uint32) ^ 0x9E3779B9)) >> 9
+            q = -tl.log((bits.to(tl.float32) + 0.5) * 1.1920928955078125e-07)  # 2^-23
+            score = x / divisor - tl.log(q)
+        else:
+            score = x
         better = score > best  # strict: each lane keeps its first column among equals
         best = tl.where(better, score, best)
         best_col = tl.where(better, cols, best_col)
     top = tl.max(best, axis=0)
     # The first column holding the top score, as torch.argmax picks it.
     col = tl.min(tl.where(best == top, best_col, vocab), axis=0)
+    if SPLIT:
+        tl.store(best_ptr + row * tl.num_programs(1) + split, top)
+        tl.store(best_col_ptr + row * tl.num_programs(1) + split, col)
+    else:
+        tl.store(out_ptr + row, tl.minimum(col, vocab - 1).to(tl.int64))
+
+
+@triton.jit
+def _pick_best_split_kernel(best_ptr, best_col_ptr, out_ptr, vocab, splits, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)
+    s = tl.arange(0, BLOCK_S)
+    best = tl.load(best_ptr + row * splits + s, mask=s < splits, other=float("-inf"))
+    best_col = tl.load(best_col_ptr + row * splits + s, mask=s < splits, other=vocab)
+    # Splits hold ascending column ranges, each its first best column: the lowest among the
+    # splits that hold the top score is the row's first.
+    col = tl.min(tl.where(best == tl.max(best, axis=0), best_col, vocab), axis=0)
     tl.store(out_ptr + row, tl.minimum(col, vocab - 1).to(tl.int64))
 
 
 def sample_with_hashed_noise(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    if not rows:
+        return out
     # The kernel reads temperature[row] at row: a strided view (the sampler's params[:, 0]) is copied.
     temperature = temperature.contiguous()
-    if rows:
-        _sample_with_hashed_noise_kernel[(rows,)](logits, keys.contiguous(), temperature, out, vocab, logits.stride(0),
-                                                  BLOCK=min(BLOCK, triton.next_power_of_2(vocab)))
+    block = min(BLOCK, triton.next_power_of_2(vocab))
+    # A few rows would leave most SMs idle: each row's vocabulary is cut into column ranges that
+    # separate programs scan, and a second kernel picks the best of each row's ranges.
+    blocks = triton.cdiv(vocab, block)
+    splits = max(1, min(blocks, SAMPLER_PROGRAMS_PER_SM * num_sms(logits.device) // rows))
+    split_len = triton.cdiv(blocks, splits) * block
+    splits = triton.cdiv(vocab, split_len)
+    best = torch.empty((rows, splits), dtype=torch.float32, device=logits.device) if splits > 1 else out
+    best_col = torch.empty((rows, splits), dtype=torch.int32, device=logits.device) if splits > 1 else out
+    _sample_with_hashed_noise_kernel[(rows, splits)](logits, keys.contiguous(), temperature, best, best_col, out, vocab,
+                                                     logits.stride(0), split_len, SPLIT=splits > 1, BLOCK=block)
+    if splits > 1:
+        _pick_best_split_kernel[(rows,)](best, best_col, out, vocab, splits,
+                                         BLOCK_S=triton.next_power_of_2(splits))
     return out
 
 

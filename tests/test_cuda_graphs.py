@@ -16,7 +16,7 @@ def test_token_buckets_pad_at_most_half_and_end_at_the_limit():
     assert token_buckets(0) == []
 
 
-def test_steps_with_prefill_run_eagerly_unless_asked():
-    assert EngineConfig(model="m").max_cuda_graph_tokens == 0
+def test_steps_with_prefill_of_up_to_8192_tokens_run_as_graphs_by_default():
+    assert EngineConfig(model="m").max_cuda_graph_tokens == 8192
     with pytest.raises(ValueError, match="max_cuda_graph_tokens must be >= 0, got -1"):
         EngineConfig(model="m", max_cuda_graph_tokens=-1)

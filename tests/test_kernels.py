@@ -235,9 +235,19 @@ def sampling_inputs(rows: int, vocab: int, dtype: torch.dtype = torch.float32, s
     return logits, temperature, keys
 
 
-@pytest.mark.parametrize("vocab", [97, 3000], ids=["one-block", "several-blocks"])
+@pytest.fixture(params=["whole-rows", "column-ranges"])
+def sampler_splits(request, monkeypatch):
+    """The sampling kernel with one program per row, or with rows cut into column ranges (as
+    it runs when a few rows would leave most SMs idle)."""
+    from hookllm.kernels import triton_ops
+
+    monkeypatch.setattr(triton_ops, "SAMPLER_PROGRAMS_PER_SM", 0 if request.param == "whole-rows" else 1000)
+    return request.param
+
+
+@pytest.mark.parametrize("vocab", [97, 5000], ids=["one-block", "several-blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sample_with_hashed_noise_kernel_matches_reference(vocab, dtype):
+def test_sample_with_hashed_noise_kernel_matches_reference(vocab, dtype, sampler_splits):
     from hookllm.kernels import triton_ops
 
     logits, temperature, keys = sampling_inputs(6, vocab, dtype)
@@ -272,11 +282,11 @@ def test_sample_with_hashed_noise_kernel_reads_each_row_temperature_from_a_strid
     assert torch.equal(triton_ops.sample_with_hashed_noise(logits, table[:, 0], keys), expected)
 
 
-def test_sample_with_hashed_noise_kernel_picks_the_first_of_tied_maxima():
+def test_sample_with_hashed_noise_kernel_picks_the_first_of_tied_maxima(sampler_splits):
     from hookllm.kernels import triton_ops
 
     logits = torch.zeros(2, 3000)
-    logits[:, [5, 2100, 2999]] = 1.0  # in different lanes and blocks
+    logits[:, [5, 2100, 2999]] = 1.0  # in different lanes, blocks and column ranges
     temperature, keys = torch.zeros(2), torch.zeros(2, dtype=torch.long)
     assert triton_ops.sample_with_hashed_noise(logits, temperature, keys).tolist() == [5, 5]
 

@@ -150,11 +150,12 @@ def test_other_dtypes(dtype):
     assert_close_to_reference(batch, triton_attention.paged_attention(**batch), tol=1e-2 if dtype != torch.float32 else 1e-5)
 
 
-def test_sample_with_hashed_noise_at_a_llama3_vocab_in_bf16():
+@pytest.mark.parametrize("rows", [3, 256], ids=["column-ranges", "whole-rows"])
+def test_sample_with_hashed_noise_at_a_llama3_vocab_in_bf16(rows):
     from hookllm.kernels import triton_ops
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    rows, vocab = 256, 128256
+    vocab = 128256
     logits = (torch.randn(rows, vocab, device=DEVICE, generator=gen) * 4).to(BF16)
     temperature = torch.tensor([0.0 if r % 4 == 0 else 0.6 for r in range(rows)], device=DEVICE)
     keys = torch.randint(0, 2**32, (rows,), device=DEVICE, generator=gen)
