@@ -126,8 +126,8 @@ def _fmix32(h):
 
 
 @triton.jit
-def _sample_with_hashed_noise_kernel(logits_ptr, keys_ptr, temperature_ptr, best_ptr, best_col_ptr, out_ptr, vocab,
-                                     logits_stride, split_len, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _sample_with_hashed_noise_kernel(logits_ptr, keys_ptr, temperature_ptr, best_ptr, best_col_ptr, vocab,
+                                     logits_stride, split_len, BLOCK: tl.constexpr):
     row, split = tl.program_id(0), tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     sampled = temperature > 0.0
@@ -153,15 +153,11 @@ def _sample_with_hashed_noise_kernel(logits_ptr, keys_ptr, temperature_ptr, best
         best_col = tl.where(better, cols, best_col)
     top = tl.max(best, axis=0)
     # The first column holding the top score, as torch.argmax picks it.
-    col = tl.min(tl.where(best == top, best_col, vocab), axis=0)
-    if SPLIT:
-        tl.store(best_ptr + row * tl.num_programs(1) + split, top)
-        tl.store(best_col_ptr + row * tl.num_programs(1) + split, col)
-    else:
-        tl.store(out_ptr + row, tl.minimum(col, vocab - 1).to(tl.int64))
+    tl.store(best_ptr + row * tl.num_programs(1) + split, top)
+    tl.store(best_col_ptr + row * tl.num_programs(1) + split, tl.min(tl.where(best == top, best_col, vocab), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _pick_best_split_kernel(best_ptr, best_col_ptr, out_ptr, vocab, splits, BLOCK_S: tl.constexpr):
     row = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
@@ -181,19 +177,18 @@ def sample_with_hashed_noise(logits: torch.Tensor, temperature: torch.Tensor, ke
     # The kernel reads temperature[row] at row: a strided view (the sampler's params[:, 0]) is copied.
     temperature = temperature.contiguous()
     block = min(BLOCK, triton.next_power_of_2(vocab))
-    # A few rows would leave most SMs idle: each row's vocabulary is cut into column ranges that
-    # separate programs scan, and a second kernel picks the best of each row's ranges.
+    # Each row's vocabulary is cut into column ranges that separate programs scan, as many as
+    # fill the SMs when there are few rows; a second kernel picks the best of each row's ranges.
+    # Both kernels' variants depend only on the vocabulary, so no batch size compiles a new one.
     blocks = triton.cdiv(vocab, block)
     splits = max(1, min(blocks, SAMPLER_PROGRAMS_PER_SM * num_sms(logits.device) // rows))
     split_len = triton.cdiv(blocks, splits) * block
     splits = triton.cdiv(vocab, split_len)
-    best = torch.empty((rows, splits), dtype=torch.float32, device=logits.device) if splits > 1 else out
-    best_col = torch.empty((rows, splits), dtype=torch.int32, device=logits.device) if splits > 1 else out
-    _sample_with_hashed_noise_kernel[(rows, splits)](logits, keys.contiguous(), temperature, best, best_col, out, vocab,
-                                                     logits.stride(0), split_len, SPLIT=splits > 1, BLOCK=block)
-    if splits > 1:
-        _pick_best_split_kernel[(rows,)](best, best_col, out, vocab, splits,
-                                         BLOCK_S=triton.next_power_of_2(splits))
+    best = torch.empty((rows, splits), dtype=torch.float32, device=logits.device)
+    best_col = torch.empty((rows, splits), dtype=torch.int32, device=logits.device)
+    _sample_with_hashed_noise_kernel[(rows, splits)](logits, keys.contiguous(), temperature, best, best_col, vocab,
+                                                     logits.stride(0), split_len, BLOCK=block)
+    _pick_best_split_kernel[(rows,)](best, best_col, out, vocab, splits, BLOCK_S=triton.next_power_of_2(blocks))
     return out
 
 
