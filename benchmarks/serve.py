@@ -3,9 +3,9 @@
 Workload A (see throughput.py) is sent with token-id prompts through ``/v1/completions``
 (``ignore_eos``, temperature 0.6), first all at once ("full concurrency"), then by a Poisson
 process at each ``--rates`` req/s, by ``--client-processes`` aiohttp clients. Per run: output
-tok/s, TTFT and TPOT p50/p99, and the CPU seconds the server's API process and its engine
+tok/s, TTFT and TPOT p50/p99, and the CPU seconds the server's API processes and its engine
 process spent (Linux ``/proc``; an API process near one CPU second per second is saturated: its
-event loop is the limit). Then the same requests through offline ``LLM.generate`` in this
+event loop is the limit, and ``--api-server-count N`` runs N of them). Then the same requests through offline ``LLM.generate`` in this
 process, for the served / offline ratio.
 
     python benchmarks/serve.py --shape llama-3.2-1b --rates 20,40
@@ -44,9 +44,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model: Path, port: int, engine_args: str, startup_s: float) -> subprocess.Popen:
+def start_server(model: Path, port: int, engine_args: str, startup_s: float, api_servers: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "hookllm.cli", "serve", str(model), "--host", HOST, "--port", str(port),
-               "--served-model-name", "bench", "--log-level", "warning", *shlex.split(engine_args)]
+               "--served-model-name", "bench", "--log-level", "warning", "--api-server-count", str(api_servers),
+               *shlex.split(engine_args)]
     process = subprocess.Popen(command)
     deadline = time.monotonic() + startup_s
     while time.monotonic() < deadline:
@@ -69,10 +70,13 @@ def cpu_seconds(pid: int) -> float:
 
 
 def server_cpu_seconds(server_pid: int) -> dict[str, float]:
-    """CPU seconds of the API process and of its children (the engine process, with
-    multiprocessing's resource tracker, which does next to nothing)."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    return {"api": cpu_seconds(server_pid), "engine": sum(cpu_seconds(int(pid)) for pid in children)}
+    """CPU seconds of the API server processes (the server's own process, or with
+    --api-server-count its children named hookllm-api) and of the engine process (hookllm-engine)."""
+    children = [int(pid) for pid in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()]
+    names = {pid: Path(f"/proc/{pid}/comm").read_text().strip() for pid in children}
+    api = [pid for pid in children if names[pid] == "hookllm-api"] or [server_pid]
+    return {"api": sum(cpu_seconds(pid) for pid in api),
+            "engine": sum(cpu_seconds(pid) for pid in children if names[pid] == "hookllm-engine")}
 
 
 async def one_request(http: "aiohttp.ClientSession", url: str, prompt: list[int], max_tokens: int) -> dict:
@@ -182,6 +186,7 @@ def main() -> None:
                         help="engine flags for the server and the offline run, as one string")
     parser.add_argument("--startup-s", type=float, default=600.0)
     parser.add_argument("--client-processes", type=int, default=4, help="processes sending the requests")
+    parser.add_argument("--api-server-count", type=int, default=1, help="the server's API processes")
     add_out_argument(parser)
     args = parser.parse_args()
 
@@ -196,10 +201,10 @@ def main() -> None:
     payload = {"device": device_name(), "date": now(), "commit": commit(), "model": str(model),
                "workload": f"A over HTTP: {args.num_requests} streamed requests, token-id prompts, ignore_eos"
                            + (f", cut to {args.max_len} tokens" if args.max_len else ""),
-               "engine_args": args.engine_args, "results": results}
+               "engine_args": args.engine_args, "api_server_count": args.api_server_count, "results": results}
 
     port = free_port()
-    server = start_server(model, port, args.engine_args, args.startup_s)
+    server = start_server(model, port, args.engine_args, args.startup_s, args.api_server_count)
     try:
         url = f"http://{HOST}:{port}"
         run_load(url, prompts[:2], [4, 4], None, 1, server.pid)  # warm-up

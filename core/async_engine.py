@@ -22,8 +22,8 @@ from typing import Any, AsyncIterator
 from hookllm.chat import render_chat
 from hookllm.config import EngineConfig
 from hookllm.engine import LLMEngine
-from hookllm.engine_core import (EngineProcess, EngineReport, EngineThread, OutputStream, WireOutput, merge_wire,
-                                 rebuild_error)
+from hookllm.engine_core import (EngineClient, EngineProcess, EngineReport, EngineThread, OutputStream, WireOutput,
+                                 merge_wire, rebuild_error)
 from hookllm.outputs import CompletionOutput, RequestOutput
 from hookllm.sampling_params import SamplingParams
 from hookllm.scheduler import SchedulerStats
@@ -63,10 +63,13 @@ class AsyncLLM:
     """Async ``generate`` / ``abort`` over one engine loop.
 
     ``AsyncLLM(engine)`` steps an engine built here on a thread; ``AsyncLLM(config=config)``
-    (or ``from_engine_config``) builds it in a process of its own.
+    (or ``from_engine_config``) builds it in a process of its own; ``AsyncLLM(config=config,
+    connection=conn)`` is one more client of an engine process already running (``conn``: one
+    of its ``EngineProcess.client_conns``).
     """
 
-    def __init__(self, engine: LLMEngine | None = None, *, config: EngineConfig | None = None):
+    def __init__(self, engine: LLMEngine | None = None, *, config: EngineConfig | None = None,
+                 connection: Any = None):
         if (engine is None) == (config is None):
             raise TypeError("AsyncLLM takes an engine or a config, not both")
         self._streams: dict[str, _Stream] = {}
@@ -77,20 +80,23 @@ class AsyncLLM:
         if engine is not None:
             self.config, self.model_config, self.hooks = engine.config, engine.model_config, engine.hooks
             self._stats = engine.get_stats()
-            self._loop: EngineThread | EngineProcess = EngineThread(engine, self._on_report)
+            self._loop: EngineThread | EngineClient = EngineThread(engine, self._on_report)
         else:
-            from hookllm.hub import resolve_model_path
+            from hookllm.hub import with_local_paths
             from hookllm.plugins.manager import PluginManager
             from hookllm.worker import resolve_model
 
-            config = dataclasses.replace(config, model=resolve_model_path(config.model),
-                                         tokenizer=resolve_model_path(config.tokenizer) if config.tokenizer else None)
+            config = with_local_paths(config)
             # This side needs the model's config and the hooks that run here (render_content_part,
             # add_routes), not its weights: those load in the engine process.
             self.config = config
             self.model_config, self.hooks = resolve_model(config, PluginManager())
             self._stats = SchedulerStats(0, 0, 0, 0)
-            self._loop = EngineProcess(config, self._on_report, self._on_exit)
+            if connection is None:
+                process = EngineProcess(config)
+                self._loop = EngineClient(process.client_conns[0], self._on_report, self._on_exit, process)
+            else:  # a client of an engine process started elsewhere (hookllm serve --api-server-count)
+                self._loop = EngineClient(connection, self._on_report, self._on_exit)
         # The engine thread, or the thread reading the engine process's reports, shares the GIL
         # with the event loop: a busy loop would hold it off, and a report not read in time
         # blocks the engine process on its pipe.

@@ -53,11 +53,10 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, plugin_manager: PluginManager | None = None):
-        from hookllm.hub import resolve_model_path
+        from hookllm.hub import with_local_paths
 
         # A hub id ("org/name") becomes its local snapshot folder before anything reads it.
-        config = dataclasses.replace(config, model=resolve_model_path(config.model),
-                                     tokenizer=resolve_model_path(config.tokenizer) if config.tokenizer else None)
+        config = with_local_paths(config)
         self.config = config
         self.plugin_manager = plugin_manager or PluginManager()
         self.model_config, self.hooks = resolve_model(config, self.plugin_manager)

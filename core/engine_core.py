@@ -7,7 +7,9 @@ After each step it sends one ``EngineReport`` holding every request's new tokens
 It runs in one of two places, with the same loop and the same messages:
 
 - ``EngineProcess``: a process of its own (what ``hookllm serve`` uses). The API server's event
-  loop and the engine's step then never wait for each other's GIL; messages cross a pipe.
+  loop and the engine's step then never wait for each other's GIL; messages cross a pipe. One
+  engine process can serve several clients (``hookllm serve --api-server-count N``: one pipe per
+  API server process); each request's outputs go back to the client that added it.
 - ``EngineThread``: a thread of the caller's process, for an engine built in-process (plugins
   given as objects, tests).
 
@@ -20,8 +22,10 @@ the consumer, after merging the deltas that piled up (``merge_wire``).
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import multiprocessing
+import multiprocessing.connection
 import queue
 import signal
 import threading
@@ -33,11 +37,12 @@ from hookllm.config import EngineConfig
 from hookllm.engine import LLMEngine
 from hookllm.outputs import CompletionOutput, RequestOutput
 from hookllm.scheduler import SchedulerStats
+from hookllm.utils import name_this_process
 
 logger = logging.getLogger(__name__)
 
 # Commands, client to engine: ("add", request_id, prompt, params) | ("abort", [request_id, ...])
-# | ("shutdown",).
+# | ("shutdown",): this client is done (its requests are aborted; the loop stops with the last).
 Command = tuple
 # One output on the wire: (request_id, finished, head, completions, metrics), where head is
 # (prompt, prompt_token_ids, prompt_logprobs, num_cached_tokens) in a request's first output and
@@ -90,55 +95,81 @@ def rebuild_error(error: tuple[str, str]) -> Exception:
 
 
 class EngineCore:
-    """Steps ``engine`` between commands from ``receive`` and reports each turn through ``send``.
+    """Steps ``engine`` between commands from its clients and reports each turn to each client.
 
-    ``receive(block)`` returns the next command, or None when ``block`` is False and none is
-    waiting; ``send(report)`` delivers a report to the client.
+    ``receive(block)`` returns the next ``(client, command)``, or None when ``block`` is False and
+    none is waiting; ``send(client, report)`` delivers a report. Clients are numbered
+    ``0 .. num_clients - 1``; a request's outputs, its admission and its failure go to the client
+    that added it, and the scheduler's stats to every client each turn.
     """
 
-    def __init__(self, engine: LLMEngine, receive: Callable[[bool], Command | None],
-                 send: Callable[[EngineReport], None]):
+    def __init__(self, engine: LLMEngine, receive: Callable[[bool], tuple[int, Command] | None],
+                 send: Callable[[int, EngineReport], None], num_clients: int = 1):
         self.engine = engine
         self.receive = receive
         self.send = send
+        self.clients = set(range(num_clients))  # those that have not said shutdown
+        self.owner: dict[str, int] = {}  # request id -> the client that added it
         self.head_sent: set[str] = set()  # requests whose first output (with the prompt) was sent
 
     def run(self) -> None:
-        """Until a shutdown command (or the client is gone): commands, a step, a report."""
-        report = EngineReport(self.engine.get_stats())
+        """Until every client has said shutdown (or is gone): commands, a step, a report each."""
+        reports = self._new_reports()
         try:
-            while self._run_commands(report, block=not self.engine.has_unfinished_requests()):
+            while self._run_commands(reports, block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
-                    self._step(report)
-                report.stats = self.engine.get_stats()
-                self.send(report)
-                report = EngineReport(report.stats)
+                    self._step(reports)
+                stats = self.engine.get_stats()
+                for client in self.clients:
+                    reports[client].stats = stats
+                    self.send(client, reports[client])
+                reports = self._new_reports()
         finally:
             self.engine.abort_request(list(self.engine.scheduler.requests))
-            self.send(EngineReport(self.engine.get_stats(), closed=True))
+            for client in self.clients:
+                self.send(client, EngineReport(self.engine.get_stats(), closed=True))
 
-    def _run_commands(self, report: EngineReport, block: bool) -> bool:
-        """Run every waiting command (waiting for one if ``block``); False once told to stop."""
-        while (command := self.receive(block)) is not None:
+    def _new_reports(self) -> dict[int, EngineReport]:
+        stats = self.engine.get_stats()
+        return {client: EngineReport(stats) for client in self.clients}
+
+    def _forget(self, request_ids: list[str]) -> None:
+        self.head_sent.difference_update(request_ids)
+        for request_id in request_ids:
+            self.owner.pop(request_id, None)
+
+    def _run_commands(self, reports: dict[int, EngineReport], block: bool) -> bool:
+        """Run every waiting command (waiting for one if ``block``); False once no client is left."""
+        while (received := self.receive(block)) is not None:
             block = False
+            client, command = received
             kind = command[0]
             if kind == "add":
                 _, request_id, prompt, params = command
                 try:
                     self.engine.add_request(request_id, prompt, params)
-                    report.added.append((request_id, None))
+                    self.owner[request_id] = client
+                    reports[client].added.append((request_id, None))
                 except Exception as exc:  # noqa: BLE001 - bad input: the caller's error, sent back to it
-                    report.added.append((request_id, (type(exc).__name__, str(exc))))
+                    reports[client].added.append((request_id, (type(exc).__name__, str(exc))))
             elif kind == "abort":
                 self.engine.abort_request(command[1])
-                self.head_sent.difference_update(command[1])
+                self._forget(command[1])
             elif kind == "shutdown":
-                return False
+                if client not in self.clients:
+                    continue
+                self.clients.discard(client)
+                mine = [request_id for request_id, owner in self.owner.items() if owner == client]
+                self.engine.abort_request(mine)
+                self._forget(mine)
+                self.send(client, EngineReport(self.engine.get_stats(), closed=True))
+                if not self.clients:
+                    return False
             else:
                 raise ValueError(f"unknown engine command {kind!r}")
         return True
 
-    def _step(self, report: EngineReport) -> None:
+    def _step(self, reports: dict[int, EngineReport]) -> None:
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a plugin's error fails its requests, not the server
@@ -146,16 +177,19 @@ class EngineCore:
             # The engine does not say which requests the failed step held: fail every request it
             # holds now (those running and any waiting behind them) and free their blocks, as
             # LLM.generate does; requests added afterwards run normally.
-            report.failed_ids = list(dict.fromkeys([*self.engine.scheduler.requests, *self.engine.parallel]))
-            self.engine.abort_request(report.failed_ids)
-            self.head_sent.difference_update(report.failed_ids)
-            report.failure = f"the engine step failed: {type(exc).__name__}: {exc}"
+            # Every client hears of them all (it skips the ids that are not its own).
+            failed_ids = list(dict.fromkeys([*self.engine.scheduler.requests, *self.engine.parallel]))
+            self.engine.abort_request(failed_ids)
+            self._forget(failed_ids)
+            for report in reports.values():
+                report.failed_ids = failed_ids
+                report.failure = f"the engine step failed: {type(exc).__name__}: {exc}"
             return
         for output in outputs:
             rid = output.request_id
-            report.outputs.append(pack_output(output, with_head=rid not in self.head_sent))
+            reports[self.owner[rid]].outputs.append(pack_output(output, with_head=rid not in self.head_sent))
             if output.finished:
-                self.head_sent.discard(rid)
+                self._forget([rid])
             else:
                 self.head_sent.add(rid)
 
@@ -182,13 +216,13 @@ class EngineThread:
 
     def __init__(self, engine: LLMEngine, deliver: Callable[[EngineReport], None]):
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        core = EngineCore(engine, self._receive, deliver)
+        core = EngineCore(engine, self._receive, lambda _client, report: deliver(report))
         self.thread = threading.Thread(target=core.run, name="hookllm-engine", daemon=True)
         self.thread.start()
 
-    def _receive(self, block: bool) -> Command | None:
+    def _receive(self, block: bool) -> tuple[int, Command] | None:
         try:
-            return self.commands.get(block=block)
+            return 0, self.commands.get(block=block)
         except queue.Empty:
             return None
 
@@ -205,19 +239,22 @@ class EngineStartError(RuntimeError):
 
 
 class EngineProcess:
-    """The loop in a process of its own; a reader thread here hands its reports to ``deliver``."""
+    """The loop in a process of its own, serving ``num_clients`` clients: ``client_conns`` holds
+    this side's end of each one's pipe (give each to an ``EngineClient``, here or in another
+    process). Returns once the engine is built; a failure to build it is raised here."""
 
-    def __init__(self, config: EngineConfig, deliver: Callable[[EngineReport], None],
-                 on_exit: Callable[[], None]):
+    def __init__(self, config: EngineConfig, num_clients: int = 1):
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
-        self.conn, child_conn = context.Pipe()
+        pipes = [context.Pipe() for _ in range(num_clients)]
+        self.client_conns = [ours for ours, _ in pipes]
         # Not a daemon: under tensor parallelism it starts the rank processes itself.
-        self.process = context.Process(target=_engine_process_main, args=(config, child_conn),
+        self.process = context.Process(target=_engine_process_main, args=(config, [theirs for _, theirs in pipes]),
                                        name="hookllm-engine-core")
         self.process.start()
-        child_conn.close()
+        for _, theirs in pipes:
+            theirs.close()
         try:
-            status, error = self.conn.recv()
+            status, error = self.client_conns[0].recv()
         except EOFError:
             status, error = "failed", None
         if status != "ready":
@@ -228,12 +265,31 @@ class EngineProcess:
             # Bad settings (a ValueError naming the problem) stay what they are; anything else
             # comes with the engine process's traceback.
             raise rebuild_error((name, message)) if name in ("ValueError", "TypeError") else EngineStartError(trace)
+
+    def join(self, timeout_s: float = 30.0) -> None:
+        """Wait for the process to end (it does once every client has shut down or gone)."""
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            logger.warning("the engine process did not stop within %.0f s; terminating it", timeout_s)
+            self.process.terminate()
+            self.process.join(10)
+
+
+class EngineClient:
+    """One client of an engine process, over its pipe ``conn``: commands go out with ``send``; a
+    reader thread hands each report to ``deliver`` and calls ``on_exit`` when the loop is gone.
+    With ``process`` (the client that started it), ``close`` also waits for the process to end."""
+
+    def __init__(self, conn: Any, deliver: Callable[[EngineReport], None], on_exit: Callable[[], None],
+                 process: EngineProcess | None = None):
+        self.conn = conn
+        self.process = process
         self.send_lock = threading.Lock()
         self.reader = threading.Thread(target=self._read, args=(deliver, on_exit), name="hookllm-engine-reader",
                                        daemon=True)
         self.reader.start()
         # A caller that never shuts down must not hang its own exit: multiprocessing joins
-        # non-daemon children at exit, and this one waits for a command until its pipe closes.
+        # non-daemon children at exit, and the engine waits for a command until its pipes close.
         atexit.register(self.close)
 
     def _read(self, deliver: Callable[[EngineReport], None], on_exit: Callable[[], None]) -> None:
@@ -244,7 +300,7 @@ class EngineProcess:
                 if report.closed:
                     return
         except (EOFError, OSError):
-            logger.error("the engine process stopped unexpectedly (exit code %s)", self.process.exitcode)
+            logger.error("the engine process stopped unexpectedly")
         finally:
             on_exit()
 
@@ -261,42 +317,48 @@ class EngineProcess:
         atexit.unregister(self.close)
         self.send(("shutdown",))
         self.reader.join(timeout_s)
-        self.process.join(timeout_s)
-        if self.process.is_alive():
-            logger.warning("the engine process did not stop within %.0f s; terminating it", timeout_s)
-            self.process.terminate()
-            self.process.join(10)
+        if self.process is not None:
+            self.process.join(timeout_s)
         self.conn.close()
 
 
-def _engine_process_main(config: EngineConfig, conn: Any) -> None:
-    # Ctrl-C and SIGTERM reach the whole process group: the API server decides when the engine
-    # stops (after draining), by a shutdown command or by closing the pipe.
+def _engine_process_main(config: EngineConfig, conns: list[Any]) -> None:
+    # Ctrl-C and SIGTERM reach the whole process group: the API servers decide when the engine
+    # stops (after draining), by shutdown commands or by closing their pipes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    name_this_process("hookllm-engine")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         engine = LLMEngine(config)
     except BaseException as exc:  # noqa: BLE001 - told to the parent, which raises it
-        conn.send(("failed", (type(exc).__name__, str(exc), traceback.format_exc())))
+        conns[0].send(("failed", (type(exc).__name__, str(exc), traceback.format_exc())))
         return
-    conn.send(("ready", None))
+    conns[0].send(("ready", None))
+    open_conns = {conn: client for client, conn in enumerate(conns)}
+    received: collections.deque = collections.deque()
 
-    def receive(block: bool) -> Command | None:
-        if not block and not conn.poll():
-            return None
-        try:
-            return conn.recv()
-        except EOFError:  # the API server is gone: stop as if told to
-            return ("shutdown",)
+    def receive(block: bool) -> tuple[int, Command] | None:
+        if not received and open_conns:
+            for conn in multiprocessing.connection.wait(list(open_conns), timeout=None if block else 0):
+                client = open_conns[conn]
+                try:
+                    while True:  # all that this client has sent, in order
+                        received.append((client, conn.recv()))
+                        if not conn.poll():
+                            break
+                except EOFError:  # that API server is gone: as if it had said shutdown
+                    del open_conns[conn]
+                    received.append((client, ("shutdown",)))
+        return received.popleft() if received else None
 
-    def send(report: EngineReport) -> None:
+    def send(client: int, report: EngineReport) -> None:
         try:
-            conn.send(report)
+            conns[client].send(report)
         except (BrokenPipeError, OSError):
             pass  # nobody is listening any more; the next receive sees the closed pipe
 
     try:
-        EngineCore(engine, receive, send).run()
+        EngineCore(engine, receive, send, num_clients=len(conns)).run()
     finally:
         engine.shutdown()

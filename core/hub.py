@@ -7,9 +7,14 @@ An existing folder is used as it is. Anything else that looks like ``org/name`` 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hookllm.config import EngineConfig
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -34,3 +39,9 @@ def resolve_model_path(model: str) -> str:
                          "and it is not in the local cache") from None
     except RepositoryNotFoundError:
         raise ValueError(f"model {model!r} is neither a local folder nor a hub repository") from None
+
+
+def with_local_paths(config: EngineConfig) -> EngineConfig:
+    """``config`` with its model and tokenizer hub ids resolved to local folders."""
+    return dataclasses.replace(config, model=resolve_model_path(config.model),
+                               tokenizer=resolve_model_path(config.tokenizer) if config.tokenizer else None)

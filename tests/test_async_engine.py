@@ -11,7 +11,7 @@ import pytest
 
 from hookllm import EngineConfig, LLMEngine, SamplingParams, hookimpl
 from hookllm.async_engine import AsyncLLM, EngineDeadError, EngineStepError
-from hookllm.engine_core import merge_wire
+from hookllm.engine_core import EngineCore, merge_wire
 from hookllm.plugins.manager import PluginInfo, PluginManager, discover_plugins
 from hookllm.server.app import ServerSettings, build_app
 
@@ -170,7 +170,7 @@ def test_an_engine_process_that_dies_fails_its_requests_and_marks_the_server_dow
 
     async def generate_while_killed() -> None:
         async for _ in engine.generate("story", greedy(100, ignore_eos=True)):
-            engine._loop.process.kill()
+            engine._loop.process.process.kill()
 
     with pytest.raises(EngineDeadError):
         asyncio.run(asyncio.wait_for(generate_while_killed(), 60))
@@ -182,6 +182,65 @@ def test_shutdown_stops_the_engine_process_and_refuses_new_requests(tiny_llama_d
     engine = AsyncLLM.from_engine_config(EngineConfig(str(tiny_llama_dir), device="cpu", dtype="float32",
                                                       num_kv_blocks=8))
     engine.shutdown()
-    assert engine._loop.process.exitcode == 0
+    assert engine._loop.process.process.exitcode == 0
     with pytest.raises(EngineDeadError):
         asyncio.run(collect(engine, "Hello", greedy(2)))
+
+
+def run_engine_core(tiny_llama_dir, script: list[tuple[int, int, tuple]], num_clients: int) -> dict[int, list]:
+    """``EngineCore`` over a fresh engine with ``num_clients`` clients, fed ``script``: each
+    ``(after, client, command)`` is received once ``after`` reports have gone out (or at once when
+    the engine is idle). Returns each client's reports, in order."""
+    engine = LLMEngine(EngineConfig(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=32))
+    pending = list(script)
+    reports: dict[int, list] = {client: [] for client in range(num_clients)}
+
+    def receive(block: bool):
+        sent = sum(len(r) for r in reports.values())
+        if pending and (block or pending[0][0] <= sent):
+            _, client, command = pending.pop(0)
+            return client, command
+        return None
+
+    EngineCore(engine, receive, lambda client, report: reports[client].append(report), num_clients).run()
+    return reports
+
+
+def outputs_by_request(reports: list) -> dict[str, list]:
+    outputs: dict[str, list] = {}
+    for report in reports:
+        for wire in report.outputs:
+            outputs.setdefault(wire[0], []).append(wire)
+    return outputs
+
+
+def test_an_engine_core_sends_each_request_to_the_client_that_added_it(tiny_llama_dir):
+    reports = run_engine_core(tiny_llama_dir, [
+        (0, 0, ("add", "a", {"prompt_token_ids": [5, 6, 7]}, greedy(4))),
+        (0, 1, ("add", "b", {"prompt_token_ids": [8, 9]}, greedy(6))),
+        (0, 1, ("add", "c", {"prompt_token_ids": [1] * 4096}, greedy(1))),  # too long: refused
+        (10**6, 0, ("shutdown",)), (10**6, 1, ("shutdown",)),
+    ], num_clients=2)
+    assert [added for r in reports[0] for added in r.added] == [("a", None)]
+    assert [added[0] for r in reports[1] for added in r.added] == ["b", "c"]
+    assert [added[1][0] for r in reports[1] for added in r.added if added[1]] == ["ValueError"]
+    zero, one = outputs_by_request(reports[0]), outputs_by_request(reports[1])
+    assert list(zero) == ["a"] and list(one) == ["b"]
+    # Outputs are cumulative here (AsyncLLM asks for deltas): the last holds every token.
+    assert len(zero["a"][-1][3][0][2]) == 4 and zero["a"][-1][1]
+    assert len(one["b"][-1][3][0][2]) == 6 and one["b"][-1][1]
+    assert reports[0][-1].closed and reports[1][-1].closed
+
+
+def test_a_client_that_shuts_down_has_its_requests_aborted_while_the_others_go_on(tiny_llama_dir):
+    reports = run_engine_core(tiny_llama_dir, [
+        (0, 0, ("add", "a", {"prompt_token_ids": [5, 6, 7]}, greedy(40, ignore_eos=True))),
+        (0, 1, ("add", "b", {"prompt_token_ids": [8, 9]}, greedy(40, ignore_eos=True))),
+        (6, 0, ("shutdown",)),
+        (10**6, 1, ("shutdown",)),
+    ], num_clients=2)
+    assert reports[0][-1].closed
+    zero, one = outputs_by_request(reports[0]), outputs_by_request(reports[1])
+    assert not zero["a"][-1][1] and len(zero["a"][-1][3][0][2]) < 40  # cut off
+    assert one["b"][-1][1] and len(one["b"][-1][3][0][2]) == 40
+    assert reports[1][-1].closed

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -36,6 +37,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds SIGTERM waits for in-flight requests before aborting them")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                       help="API server processes sharing the port and one engine process: more than one when "
+                            "a single process's event loop cannot keep up with the streams")
     EngineArgs.add_cli_args(serve)
 
     for name, help_ in (("complete", "stream a completion from a running server"),
@@ -53,10 +57,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from hookllm.async_engine import AsyncLLM
-    from hookllm.server.app import ServerSettings, build_app
+    from hookllm.hub import with_local_paths
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -65,7 +67,23 @@ def run_serve(args: argparse.Namespace) -> int:
     media = args.allowed_local_media_path
     if media is not None and not media.is_dir():
         raise ValueError(f"--allowed-local-media-path {media} is not a folder")
-    engine = AsyncLLM.from_engine_config(EngineArgs.from_cli_args(args).create_engine_config())
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    config = with_local_paths(EngineArgs.from_cli_args(args).create_engine_config())
+    if args.api_server_count > 1:
+        return _run_api_servers(args, config)
+    _serve(args, AsyncLLM.from_engine_config(config))
+    return 0
+
+
+def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket | None = None) -> None:
+    """Serve ``engine`` (an ``AsyncLLM``) until SIGTERM or SIGINT, on ``sock`` if given (a socket
+    shared with other API server processes) or else on ``--host`` and ``--port``."""
+    import uvicorn
+
+    from hookllm.server.app import ServerSettings, build_app
+
+    media = args.allowed_local_media_path
     settings = ServerSettings(served_model_names=args.served_model_names or [args.model or engine.config.model],
                               api_key=args.api_key or None,
                               allowed_local_media_path=media.resolve() if media is not None else None)
@@ -77,11 +95,61 @@ def run_serve(args: argparse.Namespace) -> int:
         app = build_app(engine, settings)
         # uvicorn handles SIGINT/SIGTERM: stop accepting, let requests finish for up to
         # --shutdown-timeout, then the app's lifespan shuts the engine down (aborting the rest).
-        uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                      timeout_graceful_shutdown=args.shutdown_timeout)).run()
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                               timeout_graceful_shutdown=args.shutdown_timeout))
+        server.run(sockets=[sock] if sock is not None else None)
     finally:
         engine.shutdown()
-    return 0
+
+
+def _run_api_servers(args: argparse.Namespace, config: Any) -> int:
+    """One engine process and ``--api-server-count`` API server processes, each a client of the
+    engine over its own pipe, all accepting on one socket bound here. SIGTERM here is passed on
+    to the API servers, which drain as a single server does; the engine process stops once the
+    last of them has gone."""
+    import multiprocessing
+    import shutil
+    import tempfile
+
+    from hookllm.engine_core import EngineProcess
+
+    sock = socket.create_server((args.host, args.port))
+    metrics_dir = tempfile.mkdtemp(prefix="hookllm-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # the API servers inherit it: summed metrics
+    try:
+        engine = EngineProcess(config, num_clients=args.api_server_count)
+        context = multiprocessing.get_context("spawn")
+        servers = [context.Process(target=_api_server_main, args=(args, config, conn, sock),
+                                   name=f"hookllm-api-server-{i}")
+                   for i, conn in enumerate(engine.client_conns)]
+        for server in servers:
+            server.start()
+        for conn in engine.client_conns:
+            conn.close()  # the servers hold them now: one that dies closes its pipe, and the engine sees it
+
+        def stop(signum: int, frame: Any) -> None:
+            for server in servers:
+                if server.is_alive():
+                    os.kill(server.pid, signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, stop)
+        # Ctrl-C reaches every process of the group: the servers stop on their own.
+        signal.signal(signal.SIGINT, lambda signum, frame: None)
+        for server in servers:
+            server.join()
+        engine.join(args.shutdown_timeout + 30)
+        return 0 if all(server.exitcode == 0 for server in servers) else 1
+    finally:
+        sock.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _api_server_main(args: argparse.Namespace, config: Any, conn: Any, sock: socket.socket) -> None:
+    from hookllm.async_engine import AsyncLLM
+    from hookllm.utils import name_this_process
+
+    name_this_process("hookllm-api")
+    _serve(args, AsyncLLM(config=config, connection=conn), sock)
 
 
 def _exit_after_shutdown(signum: int, frame: Any) -> None:

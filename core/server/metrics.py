@@ -1,10 +1,22 @@
-"""Prometheus metrics of one server, in its own ``CollectorRegistry`` (several apps, one process: no clashes)."""
+"""Prometheus metrics of one server, in its own ``CollectorRegistry`` (several apps, one process: no clashes).
+
+Under ``hookllm serve --api-server-count N`` each API server process counts its own requests,
+in prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, set by the parent), and
+``/metrics`` from any of them sums every process's counters and histograms. The engine's gauges
+are read from the stats the engine last reported, the same in every process.
+"""
 
 from __future__ import annotations
 
+import os
 import time
+from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from hookllm.scheduler import SchedulerStats
 
 from hookllm.async_engine import AsyncLLM
 
@@ -15,17 +27,8 @@ class ServerMetrics:
     def __init__(self, engine: AsyncLLM, model_name: str):
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
-
-        def gauge(name: str, doc: str, read) -> None:
-            # Read at scrape time from the stats snapshot the engine thread publishes after each step.
-            Gauge(name, doc, list(labels), registry=self.registry).labels(**labels).set_function(
-                lambda: read(engine.get_stats()))
-
-        gauge("hookllm:num_requests_running", "Requests in the running batch.", lambda s: s.num_running_reqs)
-        gauge("hookllm:num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting_reqs)
-        gauge("hookllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", lambda s: s.kv_cache_usage)
-        gauge("hookllm:num_used_kv_blocks", "KV-cache blocks in use.", lambda s: s.num_used_blocks)
-        gauge("hookllm:num_kv_blocks", "KV-cache blocks in all.", lambda s: s.num_blocks)
+        self.engine_gauges = EngineGauges(engine, model_name)
+        self.registry.register(self.engine_gauges)
         self.prompt_tokens = Counter("hookllm:prompt_tokens", "Prompt tokens of admitted requests.",
                                      list(labels), registry=self.registry).labels(**labels)
         self.generation_tokens = Counter("hookllm:generation_tokens", "Generated tokens.",
@@ -43,7 +46,36 @@ class ServerMetrics:
         self._finished.labels(model_name=self._model_name, finished_reason=reason).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+            return generate_latest(self.registry)
+        # Every API server process's counters and histograms, summed; the engine's gauges once.
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        registry.register(self.engine_gauges)
+        return generate_latest(registry)
+
+
+class EngineGauges:
+    """The engine's state as gauges, read at scrape time from the stats of its last report."""
+
+    GAUGES: tuple[tuple[str, str, Callable[[SchedulerStats], float]], ...] = (
+        ("hookllm:num_requests_running", "Requests in the running batch.", lambda s: s.num_running_reqs),
+        ("hookllm:num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting_reqs),
+        ("hookllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", lambda s: s.kv_cache_usage),
+        ("hookllm:num_used_kv_blocks", "KV-cache blocks in use.", lambda s: s.num_used_blocks),
+        ("hookllm:num_kv_blocks", "KV-cache blocks in all.", lambda s: s.num_blocks),
+    )
+
+    def __init__(self, engine: AsyncLLM, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stats = self.engine.get_stats()
+        for name, doc, read in self.GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], read(stats))
+            yield family
 
 
 class RequestTimer:
