@@ -114,7 +114,7 @@ class EngineCore:
 
     def run(self) -> None:
         """Until every client has said shutdown (or is gone): commands, a step, a report each."""
-        reports = self._new_reports()
+        reports = self._new_reports(self.engine.get_stats())
         try:
             while self._run_commands(reports, block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
@@ -123,14 +123,14 @@ class EngineCore:
                 for client in self.clients:
                     reports[client].stats = stats
                     self.send(client, reports[client])
-                reports = self._new_reports()
+                reports = self._new_reports(stats)
         finally:
             self.engine.abort_request(list(self.engine.scheduler.requests))
             for client in self.clients:
                 self.send(client, EngineReport(self.engine.get_stats(), closed=True))
 
-    def _new_reports(self) -> dict[int, EngineReport]:
-        stats = self.engine.get_stats()
+    def _new_reports(self, stats: SchedulerStats) -> dict[int, EngineReport]:
+        """An empty report per client, holding the last stats until this turn's replace them."""
         return {client: EngineReport(stats) for client in self.clients}
 
     def _forget(self, request_ids: list[str]) -> None:

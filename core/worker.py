@@ -63,6 +63,7 @@ class Worker:
         self.attention_backend = get_attention_backend(backend)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.uses_cuda_graphs = self.device.type == "cuda" and backend == "triton" and not config.enforce_eager
         # Seconds of each start-up phase, in order (logged; benchmarks/startup.py reports them).
         self.startup_seconds: dict[str, float] = {}
         phase = self._phase_timer()
@@ -84,7 +85,7 @@ class Worker:
         self._allocate_host_cache(self.num_host_blocks)
         phase("host_swap_cache")
         self.runner = ModelRunner(model, hooks, self.device, config.block_size, self.attention_backend, config.seed)
-        if self.device.type == "cuda" and backend == "triton" and not config.enforce_eager:
+        if self.uses_cuda_graphs:
             self.runner.cuda_graphs = CudaGraphRunner(
                 model, text_config_of(model_config.hf_config).hidden_size, self.dtype, self.device,
                 max_batch_size=min(config.max_num_seqs, config.max_cuda_graph_batch_size),
@@ -131,7 +132,7 @@ class Worker:
             return max(1, self.config.cpu_kv_cache_bytes // self.block_bytes)
         weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         activation_bytes = self._profile_activation_bytes()
-        if self.config.max_cuda_graph_tokens and not self.config.enforce_eager:
+        if self.uses_cuda_graphs and self.config.max_cuda_graph_tokens:
             # The graphs of steps with prefill keep a memory pool about that large for good;
             # steps run eagerly (image embeddings, more tokens than captured) need their own.
             activation_bytes *= 2
