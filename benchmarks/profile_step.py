@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import SHAPES, commit, device_name, now, random_checkpoint, add_out_argument, write_result  # noqa: E402
 from throughput import workload_a  # noqa: E402
 
-from hookllm.model_runner import StepOutput  # noqa: E402
+from hookllm.worker.model_runner import StepOutput  # noqa: E402
 
 # Host-side parts of LLMEngine.step, timed by wrapping these methods (owner path, method).
 # "forward" contains "build_inputs"; "process outputs" contains "wait for tokens".

@@ -45,7 +45,7 @@ def free_port() -> int:
 
 
 def start_server(model: Path, port: int, engine_args: str, startup_s: float, api_servers: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "hookllm.cli", "serve", str(model), "--host", HOST, "--port", str(port),
+    command = [sys.executable, "-m", "hookllm.entrypoints.cli", "serve", str(model), "--host", HOST, "--port", str(port),
                "--served-model-name", "bench", "--log-level", "warning", "--api-server-count", str(api_servers),
                *shlex.split(engine_args)]
     process = subprocess.Popen(command)
@@ -160,7 +160,7 @@ def run_offline(model: Path, prompts, max_tokens, engine_args: str) -> dict:
     import dataclasses
 
     from hookllm import LLM, SamplingParams
-    from hookllm.arg_utils import EngineArgs
+    from hookllm.engine.arg_utils import EngineArgs
 
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     config = EngineArgs.from_cli_args(parser.parse_args(["--model", str(model), *shlex.split(engine_args)]))

@@ -82,8 +82,8 @@ class MaskTimer:
     time launching the masking (``MaskJob.apply``, which must not wait for the device)."""
 
     def __init__(self):
-        from hookllm.batch import Batch
-        from hookllm.model_runner import StepOutput
+        from hookllm.worker.batch import Batch
+        from hookllm.worker.model_runner import StepOutput
         from hookllm.plugins.structured import backend
 
         self.reset()

@@ -142,7 +142,7 @@ def collectives_ms(shape: str, batch: int) -> float:
 
     import torch.multiprocessing as mp
 
-    from hookllm.multiproc_executor import _free_port
+    from hookllm.worker.multiproc_executor import _free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "collectives.json"

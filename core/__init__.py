@@ -5,11 +5,11 @@ from hookllm.sampling_params import RequestOutputKind, SamplingParams
 from hookllm.inputs import TextPrompt, TokensPrompt
 from hookllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hookllm.config import EngineConfig
-from hookllm.arg_utils import EngineArgs
-from hookllm.engine import LLMEngine
-from hookllm.llm import LLM
-from hookllm.beam_search import BeamSearchOutput, BeamSearchParams
-from hookllm.model_runner import SamplerContractError
+from hookllm.engine.arg_utils import EngineArgs
+from hookllm.engine.llm_engine import LLMEngine
+from hookllm.entrypoints.llm import LLM
+from hookllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from hookllm.worker.model_runner import SamplerContractError
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "EngineConfig", "SamplingParams", "RequestOutputKind", "TextPrompt",

@@ -2,6 +2,6 @@
 
 import sys
 
-from hookllm.cli import main
+from hookllm.entrypoints.cli import main
 
 sys.exit(main())

@@ -21,10 +21,10 @@ from typing import Any, Sequence
 
 import torch
 
-from hookllm.llm import LLM
-from hookllm.request import Request
+from hookllm.entrypoints.llm import LLM
+from hookllm.sched.request import Request
 from hookllm.sampling_params import SamplingParams
-from hookllm.scheduler_output import NewRequestData, SchedulerOutput
+from hookllm.sched.output import NewRequestData, SchedulerOutput
 
 LOGITS_ATOL = 1e-4
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from hookllm import sampler
-from hookllm.model_loader import building_on, load_checkpoint
+from hookllm.worker import sampler
+from hookllm.worker.model_loader import building_on, load_checkpoint
 from hookllm.plugins.hookspecs import hookimpl
 
 

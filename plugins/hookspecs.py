@@ -17,13 +17,13 @@ if TYPE_CHECKING:
     import fastapi
     import torch
 
-    from hookllm.async_engine import AsyncLLM
-    from hookllm.batch import Batch, LogitsJob, RequestState
-    from hookllm.chat import RenderedContent
+    from hookllm.engine.async_llm import AsyncLLM
+    from hookllm.worker.batch import Batch, LogitsJob, RequestState
+    from hookllm.entrypoints.chat import RenderedContent
     from hookllm.config import ModelConfig
-    from hookllm.model_runner import ModelInputs
-    from hookllm.registry import ScopedRegistry
-    from hookllm.request import Request
+    from hookllm.worker.model_runner import ModelInputs
+    from hookllm.plugins.registry import ScopedRegistry
+    from hookllm.sched.request import Request
 
 PROJECT_NAME = "hookllm"
 
@@ -52,7 +52,7 @@ def load_model(
     """Return a ready ``torch.nn.Module`` with its weights loaded, or None to pass.
 
     ``model_config`` is a :class:`hookllm.config.ModelConfig` (``path``, ``hf_config``,
-    ``architecture``); ``registry`` the :class:`hookllm.registry.ModelRegistry` (to build a
+    ``architecture``); ``registry`` the :class:`hookllm.plugins.registry.ModelRegistry` (to build a
     sub-model, as the LLaVA adapter builds its text decoder). The first non-None result wins;
     the core default (``trylast``) builds ``registry.resolve(model_config.architecture)(hf_config)``
     and calls its ``load_weights`` with the checkpoint's safetensors tensors.
@@ -66,7 +66,7 @@ def render_content_part(part: dict[str, Any], model_config: ModelConfig) -> Rend
     ``LLM.chat``, the server and ``hookllm generate --image`` hand every content part whose
     ``type`` is not ``"text"`` to this hook: an OpenAI-style ``{"type": "image_url",
     "image_url": {"url": ...}}``, ``{"type": "image", "image": PIL image or path}`` or a
-    plugin's own type. Return a :class:`hookllm.chat.RenderedContent` with the text that
+    plugin's own type. Return a :class:`hookllm.entrypoints.chat.RenderedContent` with the text that
     stands for the part in the prompt (the model's placeholder) and the ``multi_modal_data``
     it adds, e.g. ``RenderedContent("<image>", {"image": [url]})``; or None to pass. A part
     that no active plugin renders is a ``ValueError`` naming its type. The core knows no
@@ -83,11 +83,11 @@ def render_content_part(part: dict[str, Any], model_config: ModelConfig) -> Rend
 def preprocess_request(request: Request, tokenizer: Any, model_config: ModelConfig) -> None:
     """Adjust a new request in place before it is queued.
 
-    ``request`` is a :class:`hookllm.request.Request` whose ``prompt_token_ids`` the core has
+    ``request`` is a :class:`hookllm.sched.request.Request` whose ``prompt_token_ids`` the core has
     already tokenized and checked (ids in the vocabulary; ``request.prompt`` holds the text, if
     any; ``request.multi_modal_data`` the user's non-text inputs). A multimodal adapter expands
     placeholders into the tokens its encoder fills (``request.reset_prompt``) and appends
-    :class:`hookllm.request.MultiModalItem` records (offset, length, content hash, data) to
+    :class:`hookllm.sched.request.MultiModalItem` records (offset, length, content hash, data) to
     ``request.mm_items``. The length limits are checked after this hook. Raise ``ValueError``
     for bad input: only this request fails.
 
@@ -102,18 +102,18 @@ def preprocess_request(request: Request, tokenizer: Any, model_config: ModelConf
 def prepare_inputs(batch: Batch, inputs: ModelInputs, model: torch.nn.Module) -> None:
     """Adjust the model inputs the core built for this step, in place.
 
-    ``batch`` is the step's read-only :class:`hookllm.batch.Batch`: ``batch.requests`` in flat
+    ``batch`` is the step's read-only :class:`hookllm.worker.batch.Batch`: ``batch.requests`` in flat
     row order with ``batch.num_scheduled_tokens``; request ``i``'s rows are
     ``inputs.query_start[i]:inputs.query_start[i+1]`` and cover its positions
     ``batch.requests[i].num_computed_tokens`` onwards. ``inputs`` is a
-    :class:`hookllm.model_runner.ModelInputs`; set ``inputs.inputs_embeds`` (``[num_tokens,
+    :class:`hookllm.worker.model_runner.ModelInputs`; set ``inputs.inputs_embeds`` (``[num_tokens,
     hidden]``) to feed embeddings instead of ``input_ids``.
     """
 
 
 @hookspec
 def start_logits_job(batch: Batch) -> LogitsJob | None:
-    """Return a :class:`hookllm.batch.LogitsJob` for this step's logits, or None (the usual answer).
+    """Return a :class:`hookllm.worker.batch.LogitsJob` for this step's logits, or None (the usual answer).
 
     For logits work with a large host part, e.g. filling grammar masks. Called once the step's
     logits are computed. The job's ``run()`` does the host work and may wait for the previous
@@ -132,7 +132,7 @@ def process_logits(logits: torch.Tensor, batch: Batch) -> None:
     """Modify ``logits`` (``[num_sampling_rows, vocab]``, float32) in place before sampling.
 
     Row ``j`` belongs to ``batch.sampling_requests[j]``, a read-only
-    :class:`hookllm.batch.RequestState`: ``request_id``, ``sampling_params`` (with
+    :class:`hookllm.worker.batch.RequestState`: ``request_id``, ``sampling_params`` (with
     ``extra_args``), ``prompt_token_ids``, ``output_token_ids``, ``mm_items``. With async
     scheduling (the CUDA default) a decoding request's ``output_token_ids`` lacks the token of
     the step still running on the device; ``batch.exact_output_token_ids()`` waits for that
@@ -179,7 +179,7 @@ def add_routes(app: fastapi.FastAPI, engine: AsyncLLM) -> None:
 
     ``app`` is the server's FastAPI app, with the OpenAI routes already in place (a route with
     the same path as one of them is never reached); ``engine`` is the server's
-    :class:`hookllm.async_engine.AsyncLLM`: ``async for out in engine.generate(prompt,
+    :class:`hookllm.engine.async_llm.AsyncLLM`: ``async for out in engine.generate(prompt,
     params)``, ``await engine.tokenize(text)``, ``engine.get_stats()``, ``engine.config``.
     The server's ``--api-key`` guards these routes too::
 

@@ -17,7 +17,7 @@ from typing import Iterable
 import pluggy
 
 from hookllm.plugins import defaults, hookspecs
-from hookllm.registry import ModelRegistry
+from hookllm.plugins.registry import ModelRegistry
 
 ENTRY_POINT_GROUP = "hookllm.plugins"
 CORE_PLUGIN = "core"

@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from hookllm import testing
-from hookllm.request import Request
+from hookllm.sched.request import Request
 from hookllm.sampling_params import SamplingParams
 
 IMAGE_SIZE, PATCH_SIZE = 28, 7  # 16 patches: an image is 16 rows ("default") or 17 ("full")

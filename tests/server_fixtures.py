@@ -38,7 +38,7 @@ class Server:
     def __init__(self, args: list[str], startup_s: float = 120.0):
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
-        command = [sys.executable, "-m", "hookllm.cli", "serve", "--host", HOST, "--port", str(self.port),
+        command = [sys.executable, "-m", "hookllm.entrypoints.cli", "serve", "--host", HOST, "--port", str(self.port),
                    "--log-level", "warning", *args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._wait_healthy(startup_s)

@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from hookllm import EngineConfig, LLMEngine, SamplingParams, hookimpl
-from hookllm.async_engine import AsyncLLM, EngineDeadError, EngineStepError
-from hookllm.engine_core import EngineCore, merge_wire
+from hookllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError
+from hookllm.engine.core_client import EngineCore, merge_wire
 from hookllm.plugins.manager import PluginInfo, PluginManager, discover_plugins
 from hookllm.server.app import ServerSettings, build_app
 

@@ -3,7 +3,7 @@
 import pytest
 
 from hookllm import testing
-from hookllm.cli import main
+from hookllm.entrypoints.cli import main
 
 
 def test_help_lists_the_commands(capsys):

@@ -3,7 +3,7 @@
 import pytest
 
 from hookllm.config import EngineConfig
-from hookllm.cuda_graph import batch_size_buckets, token_buckets
+from hookllm.worker.cuda_graph import batch_size_buckets, token_buckets
 
 
 def test_decode_buckets_are_small_powers_of_two_then_every_16():

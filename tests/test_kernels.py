@@ -136,7 +136,7 @@ def test_mixed_batch_of_prefill_chunks_and_decodes():
 
 
 def test_a_mixed_batch_padded_as_its_cuda_graph_pads_it_gives_the_same_rows():
-    # hookllm.cuda_graph: tokens padded to the bucket and owned by no sequence, sequences padded
+    # hookllm.worker.cuda_graph: tokens padded to the bucket and owned by no sequence, sequences padded
     # with no query and no context, the launch shaped for the longest query.
     batch = make_batch(q_lens=[1, 11, 1, 5], seq_lens=[9, 30, 40, 27])
     expected = reference.paged_attention(**batch)

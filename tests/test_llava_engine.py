@@ -15,7 +15,7 @@ from llava_fixtures import (  # noqa: F401 - checkpoint and reference are fixtur
 from transformers import LlamaConfig
 
 from hookllm import LLM, testing
-from hookllm.cli import main as cli_main
+from hookllm.entrypoints.cli import main as cli_main
 
 PROMPT = "USER: <image> What is this? ASSISTANT:"
 IMAGES = [random_image(40, 30, seed=1), random_image(25, 50, seed=2), random_image(60, 20, seed=3)]

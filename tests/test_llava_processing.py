@@ -15,7 +15,7 @@ from PIL import Image
 from transformers import LlavaImageProcessorPil, PreTrainedTokenizerFast
 
 from hookllm.adapters.llava.processing import ImageProcessor, expand_request
-from hookllm.request import Request
+from hookllm.sched.request import Request
 from hookllm.sampling_params import SamplingParams
 
 SIZES = [(40, 30), (25, 50), (300, 200), (13, 90)]  # non-square, up- and down-scaled

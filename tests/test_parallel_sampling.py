@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from hookllm import SamplingParams, testing
-from hookllm.beam_search import BeamSearchParams
+from hookllm.engine.beam_search import BeamSearchParams
 
 PROMPT = {"prompt_token_ids": list(range(2, 45))}
 

@@ -8,7 +8,9 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from hookllm import LLM, SamplingParams, sampler, testing
+from hookllm import LLM, SamplingParams, testing
+
+from hookllm.worker import sampler
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 ATOL = 1e-4

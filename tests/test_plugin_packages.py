@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, GPT2Config
 
 from hookllm import LLM, EngineConfig, LLMEngine, SamplingParams, testing
-from hookllm.cli import main
+from hookllm.entrypoints.cli import main
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PACKAGES = ("hookllm-gpt2", "hookllm-logit-bias")
@@ -197,7 +197,7 @@ def test_logit_bias_route_is_served_when_the_plugin_is_active_only(gpt2_dir):
 
     import httpx
 
-    from hookllm.async_engine import AsyncLLM
+    from hookllm.engine.async_llm import AsyncLLM
     from hookllm.server.app import ServerSettings, build_app
 
     async def get(plugins: list[str]) -> httpx.Response:

@@ -10,8 +10,8 @@ from typing import Callable
 import pytest
 
 from hookllm import LLM, EngineConfig, LLMEngine, SamplingParams, testing
-from hookllm.cli import main
-from hookllm.model_runner import SamplerContractError
+from hookllm.entrypoints.cli import main
+from hookllm.worker.model_runner import SamplerContractError
 from hookllm.plugins.manager import PluginManager
 
 PROMPT = [3, 14, 15, 92, 65]

@@ -6,8 +6,8 @@ import random
 import pytest
 
 from hookllm import LLM, SamplingParams, testing
-from hookllm.block_manager import BlockManager
-from hookllm.request import MultiModalItem, Request
+from hookllm.sched.block_manager import BlockManager
+from hookllm.sched.request import MultiModalItem, Request
 
 from llava_fixtures import checkpoint, reference  # noqa: F401 - LLaVA checkpoint and reference are fixtures
 

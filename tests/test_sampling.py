@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from hookllm import SamplingParams, testing
-from hookllm.batch import RequestState
+from hookllm.worker.batch import RequestState
 from hookllm.kernels.reference import hashed_exponential_noise
-from hookllm.sampler import apply_top_k_top_p_min_p, sample, seeded_row_keys
+from hookllm.worker.sampler import apply_top_k_top_p_min_p, sample, seeded_row_keys
 
 PROMPTS = [[5, 9, 13, 200, 7], [42, 43, 44], [100] * 12]
 

@@ -1,9 +1,9 @@
 """Scheduler and block manager rules, checked on hand-built requests (no model needed)."""
 
 from hookllm import SamplingParams
-from hookllm.block_manager import BlockManager
-from hookllm.request import Request, RequestStatus
-from hookllm.scheduler import Scheduler
+from hookllm.sched.block_manager import BlockManager
+from hookllm.sched.request import Request, RequestStatus
+from hookllm.sched.scheduler import Scheduler
 
 
 def _request(rid: str, prompt_len: int) -> Request:

@@ -242,7 +242,7 @@ def test_api_key_is_required_when_set(chat_model_dir):
 
 
 def test_hookllm_complete_streams_the_servers_greedy_answer(server, offline, capsys):
-    from hookllm.cli import main
+    from hookllm.entrypoints.cli import main
 
     expected = offline.generate(PROMPTS[1], greedy(10))[0].outputs[0].text
     assert main(["complete", "--url", server.url, "--max-tokens", "10", PROMPTS[1]]) == 0
@@ -250,7 +250,7 @@ def test_hookllm_complete_streams_the_servers_greedy_answer(server, offline, cap
 
 
 def test_hookllm_chat_answers_one_message_as_the_offline_chat(server, offline, capsys):
-    from hookllm.cli import main
+    from hookllm.entrypoints.cli import main
 
     expected = offline.chat([{"role": "user", "content": PROMPTS[0]}], greedy(10))[0].outputs[0].text
     assert main(["chat", "--url", server.url, "--max-tokens", "10", PROMPTS[0]]) == 0

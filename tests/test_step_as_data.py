@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from hookllm import EngineConfig, LLMEngine, SamplingParams, testing
-from hookllm.cli import main
-from hookllm.scheduler_output import SchedulerOutput
+from hookllm.entrypoints.cli import main
+from hookllm.sched.output import SchedulerOutput
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ def run_requests(engine: LLMEngine, prompts: list[list[int]]) -> None:
 
 def replay_in_fresh_worker(config_bytes: bytes, snapshots: list[bytes], queue) -> None:
     """A spawned process: a worker rebuilt from the pickled config, fed only pickled snapshots."""
-    from hookllm.worker import Worker
+    from hookllm.worker.worker import Worker
 
     worker = Worker.from_config(pickle.loads(config_bytes))
     previous, sampled = None, []

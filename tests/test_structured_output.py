@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hookllm import LLM, SamplingParams, hookimpl
-from hookllm.batch import Batch, RequestState
+from hookllm.worker.batch import Batch, RequestState
 from hookllm.plugins.structured import COMPILED_KEY
 from hookllm.sampling_params import StructuredOutputsParams
 from hookllm.tokenizer import load_tokenizer

@@ -76,7 +76,7 @@ def test_an_invalid_schema_is_a_400_and_the_server_keeps_serving(client):
 
 
 def test_response_format_without_the_plugin_is_a_400_naming_it(chat_model_dir):
-    from hookllm.async_engine import AsyncLLM
+    from hookllm.engine.async_llm import AsyncLLM
     from hookllm.server.app import ServerSettings, build_app
 
     async def post() -> httpx.Response:

@@ -11,7 +11,7 @@ import pytest
 
 import tp_helpers
 from hookllm import LLM, SamplingParams, testing
-from hookllm.multiproc_executor import WorkerError
+from hookllm.worker.multiproc_executor import WorkerError
 from llava_fixtures import checkpoint, random_image  # noqa: F401 - checkpoint is a module fixture
 
 PROMPTS = testing.random_prompts(4, 301, min_len=5, max_len=40, seed=7)

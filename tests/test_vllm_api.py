@@ -174,7 +174,7 @@ def test_extra_args_of_an_inactive_plugin_warn_naming_it(llm, monkeypatch):
 
 # The command line.
 
-from hookllm import cli  # noqa: E402
+from hookllm.entrypoints import cli  # noqa: E402
 
 
 def test_version_flag(capsys):

@@ -1,4 +1,4 @@
-"""The start-up warm-up (hookllm.warmup): its steps stay within the engine's limits and meet
+"""The start-up warm-up (hookllm.worker.warmup): its steps stay within the engine's limits and meet
 every case that shapes a kernel launch, and running them leaves the engine as it was.
 
 On CUDA the worker runs it at start-up; here it is called directly on CPU engines."""
@@ -8,10 +8,10 @@ import logging
 import pytest
 
 from hookllm import SamplingParams
-from hookllm.arg_utils import EngineArgs
-from hookllm.cuda_graph import batch_size_buckets
+from hookllm.engine.arg_utils import EngineArgs
+from hookllm.worker.cuda_graph import batch_size_buckets
 from hookllm.utils import FlexibleArgumentParser
-from hookllm.warmup import PROMPT_LOGPROBS, SAMPLER_PATHS, warm_up, warmup_steps
+from hookllm.worker.warmup import PROMPT_LOGPROBS, SAMPLER_PATHS, warm_up, warmup_steps
 
 # Small limits keep the warm-up short on the CPU.
 LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=64)
@@ -88,7 +88,7 @@ def test_generation_after_the_warmup_equals_an_engine_without_it(make_llm):
 
 def test_warmup_logs_its_step_count_and_time(make_llm, caplog):
     llm = make_llm(**LIMITS)
-    with caplog.at_level(logging.INFO, logger="hookllm.warmup"):
+    with caplog.at_level(logging.INFO, logger="hookllm.worker.warmup"):
         seconds = warm_up(llm.engine.worker)
     assert f"steps in {seconds:.2f} s" in caplog.text
 

@@ -17,7 +17,7 @@ from hookllm.distributed import cleanup_dist_env_and_memory, init_tensor_paralle
 from hookllm.forward_context import AttentionMetadata, set_forward_context
 from hookllm.kernels import get_attention_backend
 from hookllm.layers import Attention
-from hookllm.model_loader import building_on, load_checkpoint
+from hookllm.worker.model_loader import building_on, load_checkpoint
 
 HIDDEN, INTERMEDIATE, HEADS = 64, 128, 4
 COMMON = dict(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=2,

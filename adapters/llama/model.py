@@ -20,7 +20,7 @@ from hookllm.layers import (
     SiluAndMul, VocabParallelEmbedding, get_rope,
 )
 from hookllm.layers.linear import LoadedWeight
-from hookllm.model_loader import load_weights_into
+from hookllm.worker.model_loader import load_weights_into
 
 
 def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:

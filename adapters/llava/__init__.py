@@ -18,7 +18,7 @@ from functools import lru_cache
 import torch
 
 from hookllm import hookimpl
-from hookllm.chat import RenderedContent
+from hookllm.entrypoints.chat import RenderedContent
 
 ARCHITECTURE = "LlavaForConditionalGeneration"
 # LLaVA-1.5's prompt placeholder: one per image, expanded into the image's token rows.
@@ -36,7 +36,7 @@ def load_model(model_config, device, dtype, registry):
     if model_config.architecture != ARCHITECTURE:
         return None
     from hookllm.adapters.llava.model import text_architecture
-    from hookllm.model_loader import building_on, iterate_weights
+    from hookllm.worker.model_loader import building_on, iterate_weights
 
     hf_config = model_config.hf_config
     model_cls = registry.resolve(ARCHITECTURE, model_config.plugin)

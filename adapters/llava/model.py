@@ -15,8 +15,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from hookllm.adapters.llava.vision import CLIPVisionTower
-from hookllm.model_loader import load_weights_into
-from hookllm.request import Request
+from hookllm.worker.model_loader import load_weights_into
+from hookllm.sched.request import Request
 
 TOP_LEVEL = ("language_model.", "vision_tower.", "multi_modal_projector.")
 

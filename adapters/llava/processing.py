@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from hookllm.adapters.llava import IMAGE_PLACEHOLDER
-from hookllm.request import MultiModalItem, Request
+from hookllm.sched.request import MultiModalItem, Request
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -15,7 +15,7 @@ import torch
 from open_clip.transformer import LayerNorm, QuickGELU, VisionTransformer
 from torch import nn
 
-from hookllm.model_loader import load_weights_into
+from hookllm.worker.model_loader import load_weights_into
 
 ACTIVATIONS = {"quick_gelu": QuickGELU, "gelu": nn.GELU}
 

@@ -1,4 +1,4 @@
-"""``hookllm serve``: an OpenAI-compatible HTTP server over :class:`hookllm.async_engine.AsyncLLM`.
+"""``hookllm serve``: an OpenAI-compatible HTTP server over :class:`hookllm.engine.async_llm.AsyncLLM`.
 
 ``hookllm.server.app.build_app(engine, settings)`` builds the FastAPI app; ``hookllm.server.cli``
 holds the ``serve`` / ``complete`` / ``chat`` subcommands (importing it does not import FastAPI).

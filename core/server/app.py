@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from hookllm.async_engine import AsyncLLM, EngineDeadError, EngineStepError
+from hookllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError
 from hookllm.outputs import RequestOutput
 from hookllm.sampling_params import SamplingParams
 from hookllm.server.metrics import RequestTimer, ServerMetrics

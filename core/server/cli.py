@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
-from hookllm.arg_utils import EngineArgs
+from hookllm.engine.arg_utils import EngineArgs
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -57,7 +57,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from hookllm.async_engine import AsyncLLM
+    from hookllm.engine.async_llm import AsyncLLM
     from hookllm.hub import with_local_paths
 
     if args.model_tag is not None:
@@ -111,7 +111,7 @@ def _run_api_servers(args: argparse.Namespace, config: Any) -> int:
     import shutil
     import tempfile
 
-    from hookllm.engine_core import EngineProcess
+    from hookllm.engine.core_client import EngineProcess
 
     sock = socket.create_server((args.host, args.port))
     metrics_dir = tempfile.mkdtemp(prefix="hookllm-metrics-")
@@ -145,7 +145,7 @@ def _run_api_servers(args: argparse.Namespace, config: Any) -> int:
 
 
 def _api_server_main(args: argparse.Namespace, config: Any, conn: Any, sock: socket.socket) -> None:
-    from hookllm.async_engine import AsyncLLM
+    from hookllm.engine.async_llm import AsyncLLM
     from hookllm.utils import name_this_process
 
     name_this_process("hookllm-api")

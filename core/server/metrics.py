@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from hookllm.scheduler import SchedulerStats
+from hookllm.sched.scheduler import SchedulerStats
 
-from hookllm.async_engine import AsyncLLM
+from hookllm.engine.async_llm import AsyncLLM
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 

@@ -129,7 +129,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # hookllm.chat.render_chat's options, as vLLM accepts them.
+    # hookllm.entrypoints.chat.render_chat's options, as vLLM accepts them.
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True

@@ -15,7 +15,7 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
-from hookllm.batch import Batch, RequestState
+from hookllm.worker.batch import Batch, RequestState
 from hookllm.kernels import ops_for
 from hookllm.plugins.structured import COMPILED_KEY
 from hookllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -106,7 +106,7 @@ def compile_request(request_id: str, spec: StructuredOutputsParams, tokenizer: A
                     ) -> CompiledGrammar:
     """Compile and validate ``spec`` for the engine's tokenizer; ``ValueError`` naming the request
     and the problem."""
-    from hookllm.engine import eos_token_ids
+    from hookllm.engine.llm_engine import eos_token_ids
 
     if tokenizer is None:
         raise ValueError(f"request {request_id}: structured_outputs needs a tokenizer; "

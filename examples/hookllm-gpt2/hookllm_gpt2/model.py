@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hookllm.layers import Attention
-from hookllm.model_loader import load_weights_into
+from hookllm.worker.model_loader import load_weights_into
 
 CONV1D_LAYERS = (".c_attn.", ".c_proj.", ".c_fc.")
 # Causal-mask buffers some transformers versions saved with the weights.

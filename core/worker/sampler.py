@@ -20,7 +20,7 @@ import torch
 from hookllm.kernels import ops_for
 from hookllm.kernels.reference import MASK32, absorb
 from hookllm.utils import to_device_async
-from hookllm.batch import RequestState
+from hookllm.worker.batch import RequestState
 
 
 def seeded_row_keys(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:

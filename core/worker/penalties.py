@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hookllm.batch import Batch, RequestState
+from hookllm.worker.batch import Batch, RequestState
 from hookllm.utils import to_device_async
 
 

@@ -15,16 +15,16 @@ import torch
 from torch import nn
 
 from hookllm.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, text_config_of
-from hookllm.cuda_graph import CudaGraphRunner
+from hookllm.worker.cuda_graph import CudaGraphRunner
 from hookllm.distributed import check_tensor_parallel
 from hookllm.forward_context import AttentionMetadata, set_forward_context
 from hookllm.kernels import get_attention_backend, resolve_attention_backend
 from hookllm.layers.attention import Attention
-from hookllm.model_runner import ModelRunner, StepOutput
+from hookllm.worker.model_runner import ModelRunner, StepOutput
 from hookllm.plugins.manager import ActiveHooks, PluginManager
-from hookllm.registry import ModelRegistry
-from hookllm.scheduler_output import SchedulerOutput
-from hookllm.warmup import warm_up
+from hookllm.plugins.registry import ModelRegistry
+from hookllm.sched.output import SchedulerOutput
+from hookllm.worker.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class Worker:
                 max_num_seqs=config.max_num_seqs,
             )
             phase("cuda_graphs")
-        # Compiling on first use would land in the first requests' latency (hookllm.warmup).
+        # Compiling on first use would land in the first requests' latency (hookllm.worker.warmup).
         if config.warmup and self.device.type == "cuda":
             warm_up(self)
             phase("warmup")

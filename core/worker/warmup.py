@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
-from hookllm.cuda_graph import batch_size_buckets
+from hookllm.worker.cuda_graph import batch_size_buckets
 from hookllm.sampling_params import SamplingParams
-from hookllm.scheduler_output import NewRequestData, SchedulerOutput
+from hookllm.sched.output import NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
-    from hookllm.model_runner import StepOutput
-    from hookllm.worker import Worker
+    from hookllm.worker.model_runner import StepOutput
+    from hookllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from hookllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from hookllm.chat import render_chat
+from hookllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from hookllm.entrypoints.chat import render_chat
 from hookllm.config import EngineConfig
-from hookllm.engine import LLMEngine
+from hookllm.engine.llm_engine import LLMEngine
 from hookllm.inputs import PromptType as Prompt
 from hookllm.outputs import RequestOutput
 from hookllm.sampling_params import RequestOutputKind, SamplingParams

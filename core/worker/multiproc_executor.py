@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from hookllm.config import EngineConfig
-from hookllm.scheduler_output import SchedulerOutput
+from hookllm.sched.output import SchedulerOutput
 
 READY_TIMEOUT_S = 600.0  # loading a large checkpoint and capturing CUDA graphs takes a while
 POLL_S = 1.0
@@ -36,7 +36,7 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connec
         import torch
 
         from hookllm.distributed import init_tensor_parallel
-        from hookllm.worker import Worker
+        from hookllm.worker.worker import Worker
 
         size = config.tensor_parallel_size
         cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from hookllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from hookllm.engine import LLMEngine
+    from hookllm.engine.llm_engine import LLMEngine
 
 
 @dataclass

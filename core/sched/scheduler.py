@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from hookllm.block_manager import BlockManager, HostBlockAllocator
-from hookllm.request import Request, RequestStatus
-from hookllm.scheduler_output import NewRequestData, SchedulerOutput
+from hookllm.sched.block_manager import BlockManager, HostBlockAllocator
+from hookllm.sched.request import Request, RequestStatus
+from hookllm.sched.output import NewRequestData, SchedulerOutput
 
 
 @dataclass

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from hookllm.outputs import CompletionOutput, LogprobsEntry, RequestMetrics, RequestOutput
-from hookllm.request import Request, RequestStatus
+from hookllm.sched.request import Request, RequestStatus
 from hookllm.sampling_params import RequestOutputKind
 from hookllm.tokenizer import IncrementalDetokenizer
 

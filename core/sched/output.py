@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hookllm.request import MultiModalItem
+from hookllm.sched.request import MultiModalItem
 from hookllm.sampling_params import SamplingParams
 
 

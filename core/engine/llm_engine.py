@@ -9,22 +9,22 @@ import warnings
 from collections import deque
 from typing import TYPE_CHECKING, Any, Iterable
 
-from hookllm.block_manager import BlockManager
+from hookllm.sched.block_manager import BlockManager
 from hookllm.config import EngineConfig, ModelConfig, resolve_device, text_config_of
-from hookllm.model_runner import StepOutput
-from hookllm.multiproc_executor import MultiprocWorkers
-from hookllm.output_processor import OutputProcessor
+from hookllm.worker.model_runner import StepOutput
+from hookllm.worker.multiproc_executor import MultiprocWorkers
+from hookllm.engine.output_processor import OutputProcessor
 from hookllm.outputs import RequestOutput
 from hookllm.plugins.manager import PluginManager
-from hookllm.request import ParallelGroup, Request, RequestStatus
+from hookllm.sched.request import ParallelGroup, Request, RequestStatus
 from hookllm.sampling_params import SamplingParams
-from hookllm.scheduler import Scheduler, SchedulerStats
-from hookllm.scheduler_output import SchedulerOutput
+from hookllm.sched.scheduler import Scheduler, SchedulerStats
+from hookllm.sched.output import SchedulerOutput
 from hookllm.tokenizer import load_tokenizer
-from hookllm.worker import Worker, resolve_model
+from hookllm.worker.worker import Worker, resolve_model
 
 if TYPE_CHECKING:
-    from hookllm.arg_utils import EngineArgs
+    from hookllm.engine.arg_utils import EngineArgs
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: Any | None) -> set[int]:
@@ -84,7 +84,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: "EngineArgs") -> "LLMEngine":
-        """vLLM's constructor: an engine from :class:`hookllm.arg_utils.EngineArgs`."""
+        """vLLM's constructor: an engine from :class:`hookllm.engine.arg_utils.EngineArgs`."""
         return cls(engine_args.create_engine_config())
 
     @property

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from hookllm import __version__
-from hookllm.arg_utils import EngineArgs
+from hookllm.engine.arg_utils import EngineArgs
 from hookllm.utils import FlexibleArgumentParser
 
 
@@ -57,7 +57,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     tokenizer = llm.tokenizer
     use_chat = not args.no_chat and tokenizer is not None and getattr(tokenizer, "chat_template", None)
     if use_chat:
-        from hookllm.chat import render_chat
+        from hookllm.entrypoints.chat import render_chat
 
         # Attachments go first, as in most chat UIs; a plugin renders each into its placeholder.
         attachments = [{"type": "image", "image": path} for path in args.images]

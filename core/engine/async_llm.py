@@ -1,4 +1,4 @@
-"""``AsyncLLM``: an asyncio front for the engine loop (``hookllm.engine_core``).
+"""``AsyncLLM``: an asyncio front for the engine loop (``hookllm.engine.core_client``).
 
 The engine steps in a process of its own (``AsyncLLM(config=...)``, the server's way) or on a
 thread of this one (``AsyncLLM(engine)``). Either way the front sends it commands and gets one
@@ -19,14 +19,14 @@ import itertools
 import threading
 from typing import Any, AsyncIterator
 
-from hookllm.chat import render_chat
+from hookllm.entrypoints.chat import render_chat
 from hookllm.config import EngineConfig
-from hookllm.engine import LLMEngine
-from hookllm.engine_core import (EngineClient, EngineProcess, EngineReport, EngineThread, OutputStream, WireOutput,
+from hookllm.engine.llm_engine import LLMEngine
+from hookllm.engine.core_client import (EngineClient, EngineProcess, EngineReport, EngineThread, OutputStream, WireOutput,
                                  merge_wire, rebuild_error)
 from hookllm.outputs import CompletionOutput, RequestOutput
 from hookllm.sampling_params import SamplingParams
-from hookllm.scheduler import SchedulerStats
+from hookllm.sched.scheduler import SchedulerStats
 from hookllm.tokenizer import load_tokenizer
 from hookllm.utils import shorten_gil_switch_interval
 
@@ -84,7 +84,7 @@ class AsyncLLM:
         else:
             from hookllm.hub import with_local_paths
             from hookllm.plugins.manager import PluginManager
-            from hookllm.worker import resolve_model
+            from hookllm.worker.worker import resolve_model
 
             config = with_local_paths(config)
             # This side needs the model's config and the hooks that run here (render_content_part,
@@ -134,7 +134,7 @@ class AsyncLLM:
         return self.tokenizer.decode(token_ids)
 
     async def render_chat(self, conversation: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
-        """``hookllm.chat.render_chat`` with this side's tokenizer and hooks."""
+        """``hookllm.entrypoints.chat.render_chat`` with this side's tokenizer and hooks."""
         return render_chat(self, conversation, **kwargs)
 
     async def generate(

@@ -1,6 +1,6 @@
 """The model runner's side of a step: per-request state it keeps, and the batch hooks receive.
 
-The runner rebuilds these from :class:`hookllm.scheduler_output.SchedulerOutput` snapshots
+The runner rebuilds these from :class:`hookllm.sched.output.SchedulerOutput` snapshots
 alone, so it can live in another process. Hooks (``prepare_inputs``, ``start_logits_job``,
 ``process_logits``, ``sample``, ``request_finished``) read them and must not change them.
 """
@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from hookllm.request import MultiModalItem
+from hookllm.sched.request import MultiModalItem
 from hookllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from hookllm.model_runner import StepOutput
+    from hookllm.worker.model_runner import StepOutput
 
 
 @dataclass

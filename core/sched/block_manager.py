@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from hookllm.request import Request
+from hookllm.sched.request import Request
 
 
 class Block:

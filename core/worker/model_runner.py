@@ -1,6 +1,6 @@
 """Turns a SchedulerOutput into flat model inputs, runs the model, and samples.
 
-The runner keeps a :class:`hookllm.batch.RequestState` per request, rebuilt from the snapshots
+The runner keeps a :class:`hookllm.worker.batch.RequestState` per request, rebuilt from the snapshots
 alone: a request's prompt and sampling parameters arrive once, then each step's counts and the
 output tokens it was not sent yet. The per-step path: build inputs on the host in bulk (numpy),
 copy them once, let plugins adjust them (``prepare_inputs``), run the model under the attention
@@ -25,13 +25,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from hookllm.batch import Batch, LogitsJob, RequestState
-from hookllm.cuda_graph import CudaGraphRunner
+from hookllm.worker.batch import Batch, LogitsJob, RequestState
+from hookllm.worker.cuda_graph import CudaGraphRunner
 from hookllm.forward_context import AttentionMetadata, set_forward_context
 from hookllm.outputs import Logprob, LogprobsEntry
-from hookllm.penalties import AdjustedRows, LogitsAdjuster
+from hookllm.worker.penalties import AdjustedRows, LogitsAdjuster
 from hookllm.plugins.manager import ActiveHooks
-from hookllm.scheduler_output import SchedulerOutput
+from hookllm.sched.output import SchedulerOutput
 from hookllm.utils import to_device_async
 
 

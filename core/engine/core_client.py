@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hookllm.config import EngineConfig
-from hookllm.engine import LLMEngine
+from hookllm.engine.llm_engine import LLMEngine
 from hookllm.outputs import CompletionOutput, RequestOutput
-from hookllm.scheduler import SchedulerStats
+from hookllm.sched.scheduler import SchedulerStats
 from hookllm.utils import name_this_process
 
 logger = logging.getLogger(__name__)

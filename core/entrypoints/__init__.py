@@ -1,0 +1,1 @@
+"""Entry points: the offline ``LLM`` API, the ``hookllm`` command line, chat rendering."""
