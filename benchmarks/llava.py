@@ -89,7 +89,7 @@ def run_hookllm(path: Path, images: list[Image.Image], args) -> dict:
     for i, image in enumerate(images):
         engine.add_request(f"r{i}", {"prompt_token_ids": PROMPT_IDS, "multi_modal_data": {"image": image}}, params)
     added = time.perf_counter()
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+    while engine.engine_core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.engine_core.scheduler.running):
         engine.step()
     torch.cuda.synchronize()
     prefilled = time.perf_counter()
@@ -100,7 +100,7 @@ def run_hookllm(path: Path, images: list[Image.Image], args) -> dict:
     row["phases_s"] = {"preprocess": added - start, "prefill": prefilled - added,
                        "decode": row["wall_s"] - (prefilled - start)}
     print(f"hookllm phases: {row['phases_s']}", flush=True)
-    row["kv_cache_tokens"] = llm.engine.block_manager.num_blocks * llm.engine.config.block_size
+    row["kv_cache_tokens"] = llm.engine.engine_core.block_manager.num_blocks * llm.engine.config.block_size
     del llm
     return row
 

@@ -85,7 +85,7 @@ def main() -> None:
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1000, output_kind="final_only"))
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
+    while engine.engine_core.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.engine_core.scheduler.running):
         engine.step()
     for _ in range(5):
         engine.step()  # warm the decode path
@@ -99,7 +99,7 @@ def main() -> None:
         timed_steps(engine, args.steps)
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
     gpu_total = sum(e.self_device_time_total for e in kernels) / 1e6
-    batch = len(engine.scheduler.running)
+    batch = len(engine.engine_core.scheduler.running)
     rows = {"wall_ms_per_step": plain_ms, "wall_ms_per_step_timed_parts": wall_ms,
             "gpu_busy_ms_per_step": 1e3 * gpu_total / args.steps, "batch": batch,
             **host_ms}

@@ -52,15 +52,15 @@ def trace(engine, prompts, max_tokens) -> list[dict]:
     try:
         while engine.has_unfinished_requests():
             gc_seconds[0] = 0.0
-            waiting_before = len(engine.scheduler.waiting)
+            waiting_before = len(engine.engine_core.scheduler.waiting)
             start = time.perf_counter()
             outputs = engine.step()
             seconds = time.perf_counter() - start
-            batch = engine.in_flight[-1][0] if engine.in_flight else None
+            batch = engine.engine_core.in_flight[-1][0] if engine.engine_core.in_flight else None
             counts = batch.num_scheduled_tokens if batch is not None else []
             steps.append({"s": seconds, "gc_s": gc_seconds[0], "rows": len(counts),
                           "prefill_tokens": sum(c for c in counts if c > 1),
-                          "admitted": waiting_before - len(engine.scheduler.waiting),
+                          "admitted": waiting_before - len(engine.engine_core.scheduler.waiting),
                           "finished": sum(o.finished for o in outputs)})
     finally:
         gc.callbacks.remove(on_gc)

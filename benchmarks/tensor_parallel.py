@@ -74,7 +74,7 @@ def run_engine(shape: str, tp: int, enforce_eager: bool, prompts, max_tokens, ar
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         seconds = time.perf_counter() - start
         step_ms = decode_step_ms(llm, args.step_batch)
-        kv_tokens = llm.engine.block_manager.num_blocks * llm.engine.config.block_size
+        kv_tokens = llm.engine.engine_core.block_manager.num_blocks * llm.engine.config.block_size
     finally:
         llm.engine.shutdown()
         del llm
@@ -94,7 +94,7 @@ def decode_step_ms(llm, batch: int, steps: int = 50) -> float:
     for i in range(batch):
         engine.add_request(f"step{i}", {"prompt_token_ids": [(7 * i + j) % 10000 for j in range(1000)]},
                            SamplingParams(max_tokens=steps + 200, ignore_eos=True, temperature=0.6))
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+    while engine.engine_core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.engine_core.scheduler.running):
         engine.step()
     for _ in range(5):
         engine.step()

@@ -180,7 +180,7 @@ def run_hookllm(path: Path, prompts, max_tokens, enforce_eager: bool, args) -> t
     row = summarize(name if args.repeat == 1 else f"{name} median call", median, prompts, max_tokens)
     row.update(repeat_stats(walls, sum(max_tokens)))
     row["startup"] = {**startup, "first_call_s": walls[0]}
-    row["kv_cache_tokens"] = llm.engine.block_manager.num_blocks * llm.engine.config.block_size
+    row["kv_cache_tokens"] = llm.engine.engine_core.block_manager.num_blocks * llm.engine.config.block_size
     return row, llm
 
 

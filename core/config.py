@@ -122,7 +122,7 @@ class EngineConfig:
     tokenizer: str | None = _option(None, "tokenizer folder (default: the model's)")
     tensor_parallel_size: int = _option(1, "GPUs (one worker process each) the model's layers are split across")
     load_format: str = _option("auto", "auto or safetensors: read the checkpoint; dummy: random weights (benchmarks)",
-                               choices=["auto", "safetensors", "dummy"])
+                               choices=list(LOAD_FORMATS))
     preemption_mode: str = _option("recompute", "a preempted request is recomputed, or swapped: its KV blocks "
                                    "wait in host memory and come back as they were", choices=list(PREEMPTION_MODES))
     swap_space: float = _option(4.0, "GiB of host memory (pinned on CUDA) per worker for swapped KV blocks "

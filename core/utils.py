@@ -55,8 +55,6 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
     """
 
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None):
-        import sys
-
         args = list(sys.argv[1:] if args is None else args)
         end = args.index("--") if "--" in args else len(args)  # after "--" everything is positional
         return super().parse_known_args([_dashed(arg) for arg in args[:end]] + args[end:], namespace)

@@ -19,7 +19,7 @@ END = "<!-- hooks:end -->"
 
 
 def hook_reference() -> str:
-    """One section per hookspec, in definition order: signature, calling rule, docstring."""
+    """One section per hookspec, in definition order: signature, calling rule (and scope), docstring."""
     sections = []
     for name, func in vars(hookspecs).items():
         spec = getattr(func, hookspecs.PROJECT_NAME + "_spec", None)
@@ -27,6 +27,10 @@ def hook_reference() -> str:
             continue
         rule = ("firstresult: the first non-None result wins, the core default comes last"
                 if spec.get("firstresult") else "all: every implementation is called")
+        if name in hookspecs.MODEL_SCOPED:
+            rule += "; model-scoped: of the adapters, only the checkpoint's"
+        elif name in hookspecs.INSTALLED_WIDE:
+            rule += "; on every installed plugin, once per process"
         sections.append(f"### `{name}{_signature(func)}`\n\n*{rule}*\n\n{_markdown(inspect.getdoc(func))}\n")
     return "\n".join(sections)
 

@@ -4,6 +4,10 @@ Plugins implement hooks with ``from hookllm import hookimpl``. The core calls ev
 pluggy with keyword arguments; an implementation may accept any subset of them. The core's own
 defaults are registered as ``trylast`` plugins, so a plugin overrides only what it needs. Hook
 wrappers (``@hookimpl(wrapper=True)``) and pluggy's tracing apply to every hook.
+
+The hooks in :data:`MODEL_SCOPED` concern the checkpoint's model: of the active plugins that
+register architectures (adapters), only the one serving the checkpoint receives them;
+hook-only plugins receive them too.
 """
 
 from __future__ import annotations
@@ -18,17 +22,27 @@ if TYPE_CHECKING:
     import torch
 
     from hookllm.engine.async_llm import AsyncLLM
-    from hookllm.worker.batch import Batch, LogitsJob, RequestState
+    from hookllm.outputs import RequestOutput
+    from hookllm.plugins.context import EngineContext, RequestParameters
+    from hookllm.worker.batch import Batch, LogitsJob, CachedRequestState
     from hookllm.entrypoints.chat import RenderedContent
     from hookllm.config import ModelConfig
     from hookllm.worker.model_runner import ModelInputs
-    from hookllm.plugins.registry import ScopedRegistry
+    from hookllm.plugins.registry import ModelRegistry, ScopedRegistry
     from hookllm.sched.request import Request
 
 PROJECT_NAME = "hookllm"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+# Hooks that reach, among adapters, only the checkpoint's: another architecture's adapter that
+# is active (selected by the user) must not load, render for or feed the wrong model.
+MODEL_SCOPED = frozenset(
+    {"load_model", "render_content_part", "preprocess_request", "prepare_inputs", "request_finished"})
+# Hooks called on every installed plugin, active or not, once per process: a class plugin
+# implements them as static or class methods (no engine, so no instance, exists yet).
+INSTALLED_WIDE = frozenset({"register_models", "add_cli_options", "claim_request_parameters"})
 
 
 @hookspec
@@ -47,20 +61,24 @@ def register_models(registry: ScopedRegistry) -> None:
 
 @hookspec(firstresult=True)
 def load_model(
-    model_config: ModelConfig, device: torch.device, dtype: torch.dtype, registry: ScopedRegistry
+    model_config: ModelConfig, device: torch.device, dtype: torch.dtype, registry: ModelRegistry,
+    context: EngineContext,
 ) -> torch.nn.Module | None:
     """Return a ready ``torch.nn.Module`` with its weights loaded, or None to pass.
 
     ``model_config`` is a :class:`hookllm.config.ModelConfig` (``path``, ``hf_config``,
-    ``architecture``); ``registry`` the :class:`hookllm.plugins.registry.ModelRegistry` (to build a
-    sub-model, as the LLaVA adapter builds its text decoder). The first non-None result wins;
-    the core default (``trylast``) builds ``registry.resolve(model_config.architecture)(hf_config)``
-    and calls its ``load_weights`` with the checkpoint's safetensors tensors.
+    ``architecture``, ``plugin``: the adapter serving it); ``registry`` the
+    :class:`hookllm.plugins.registry.ModelRegistry` (to build a sub-model, as the LLaVA adapter
+    builds its text decoder). The first non-None result wins; the core default (``trylast``)
+    builds ``registry.resolve(model_config.architecture, model_config.plugin)(hf_config)`` and
+    calls its ``load_weights`` with the checkpoint's safetensors tensors. The module must
+    satisfy :class:`hookllm.plugins.contract.ModelProtocol`.
     """
 
 
 @hookspec(firstresult=True)
-def render_content_part(part: dict[str, Any], model_config: ModelConfig) -> RenderedContent | None:
+def render_content_part(part: dict[str, Any], model_config: ModelConfig,
+                        context: EngineContext) -> RenderedContent | None:
     """Render one non-text chat content part (or CLI attachment) into prompt text and inputs.
 
     ``LLM.chat``, the server and ``hookllm generate --image`` hand every content part whose
@@ -73,14 +91,14 @@ def render_content_part(part: dict[str, Any], model_config: ModelConfig) -> Rend
     model's placeholder: this hook is where a multimodal adapter says what it is::
 
         @hookimpl
-        def render_content_part(part, model_config):
+        def render_content_part(part):
             if part["type"] == "image_url":
                 return RenderedContent("<image>", {"image": [part["image_url"]["url"]]})
     """
 
 
 @hookspec
-def preprocess_request(request: Request, tokenizer: Any, model_config: ModelConfig) -> None:
+def preprocess_request(request: Request, tokenizer: Any, model_config: ModelConfig, context: EngineContext) -> None:
     """Adjust a new request in place before it is queued.
 
     ``request`` is a :class:`hookllm.sched.request.Request` whose ``prompt_token_ids`` the core has
@@ -91,15 +109,17 @@ def preprocess_request(request: Request, tokenizer: Any, model_config: ModelConf
     ``request.mm_items``. The length limits are checked after this hook. Raise ``ValueError``
     for bad input: only this request fails.
 
-    A plugin that enforces ``SamplingParams.structured_outputs`` takes it: it clears the field
-    and the ``extra_args["structured_outputs"]`` key in ``request.sampling_params`` (the request's
-    own copy, e.g. ``dataclasses.replace``) and keeps what it needs in ``extra_args``. A constraint
-    left there after this hook is a ``ValueError``: no active plugin would enforce it.
+    A plugin that handles a ``SamplingParams`` field the core does not act on (such as
+    ``structured_outputs``) takes it: it resets the field and drops the ``extra_args`` key of
+    the same name in ``request.sampling_params`` (the request's own copy, e.g.
+    ``dataclasses.replace``) and keeps what it needs in ``extra_args``. A parameter left there
+    after this hook, or ``multi_modal_data`` that no plugin turned into ``mm_items``, is a
+    ``ValueError`` (see ``claim_request_parameters``).
     """
 
 
 @hookspec
-def prepare_inputs(batch: Batch, inputs: ModelInputs, model: torch.nn.Module) -> None:
+def prepare_inputs(batch: Batch, inputs: ModelInputs, model: torch.nn.Module, context: EngineContext) -> None:
     """Adjust the model inputs the core built for this step, in place.
 
     ``batch`` is the step's read-only :class:`hookllm.worker.batch.Batch`: ``batch.requests`` in flat
@@ -112,7 +132,7 @@ def prepare_inputs(batch: Batch, inputs: ModelInputs, model: torch.nn.Module) ->
 
 
 @hookspec
-def start_logits_job(batch: Batch) -> LogitsJob | None:
+def start_logits_job(batch: Batch, context: EngineContext) -> LogitsJob | None:
     """Return a :class:`hookllm.worker.batch.LogitsJob` for this step's logits, or None (the usual answer).
 
     For logits work with a large host part, e.g. filling grammar masks. Called once the step's
@@ -128,11 +148,11 @@ def start_logits_job(batch: Batch) -> LogitsJob | None:
 
 
 @hookspec
-def process_logits(logits: torch.Tensor, batch: Batch) -> None:
+def process_logits(logits: torch.Tensor, batch: Batch, context: EngineContext) -> None:
     """Modify ``logits`` (``[num_sampling_rows, vocab]``, float32) in place before sampling.
 
     Row ``j`` belongs to ``batch.sampling_requests[j]``, a read-only
-    :class:`hookllm.worker.batch.RequestState`: ``request_id``, ``sampling_params`` (with
+    :class:`hookllm.worker.batch.CachedRequestState`: ``request_id``, ``sampling_params`` (with
     ``extra_args``), ``prompt_token_ids``, ``output_token_ids``, ``mm_items``. With async
     scheduling (the CUDA default) a decoding request's ``output_token_ids`` lacks the token of
     the step still running on the device; ``batch.exact_output_token_ids()`` waits for that
@@ -142,7 +162,7 @@ def process_logits(logits: torch.Tensor, batch: Batch) -> None:
 
 
 @hookspec(firstresult=True)
-def sample(logits: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+def sample(logits: torch.Tensor, batch: Batch, context: EngineContext) -> torch.Tensor | None:
     """Return a 1-D ``torch.long`` tensor with one token id per logits row, or None to pass.
 
     The core default does greedy, temperature, top-k, top-p and min-p sampling, with the
@@ -153,11 +173,52 @@ def sample(logits: torch.Tensor, batch: Batch) -> torch.Tensor | None:
 
 
 @hookspec
-def request_finished(request: RequestState, model: torch.nn.Module) -> None:
-    """A request finished or was aborted: release what the plugin keeps for it.
+def request_finished(request: CachedRequestState, model: torch.nn.Module, context: EngineContext) -> None:
+    """A request finished or was aborted: release what the plugin keeps for it where the model lives.
 
-    Called where the model lives (in every worker), with the request's read-only state and the
-    loaded model, e.g. to drop the request's entries from an encoder cache kept on the model.
+    Called in every worker (each tensor-parallel rank), with the request's read-only state and
+    the loaded model, e.g. to drop the request's entries from an encoder cache or its grammar
+    matcher kept in ``context.state_for(...)``. For what the finished request produced (its text,
+    finish reason, metrics) use ``request_completed``, on the driver.
+    """
+
+
+@hookspec
+def request_completed(output: RequestOutput, context: EngineContext) -> None:
+    """A request finished or was aborted: its final, complete :class:`hookllm.outputs.RequestOutput`.
+
+    Called once per request on the driver (the process where requests are added and outputs are
+    processed; never in a worker), whatever the request's ``output_kind``: ``output`` holds
+    every token id, the text, the finish reason (``"abort"`` for an aborted request) and
+    ``metrics``; for ``n > 1`` it is the parent's output with all ``n`` completions. Use it for
+    what follows a request's result (logging, accounting, webhooks); use ``request_finished``
+    to release state kept where the model runs. It runs on the engine's loop: hand slow work
+    to a thread of your own::
+
+        @hookimpl
+        def request_completed(output):
+            m = output.metrics
+            logger.info("%s: %s after %.3f s", output.request_id, output.outputs[0].finish_reason,
+                        m.finished_time - m.arrival_time)
+    """
+
+
+@hookspec
+def claim_request_parameters() -> RequestParameters | None:
+    """Name the request parameters this plugin handles: a :class:`hookllm.plugins.context.RequestParameters`.
+
+    Called once on every installed plugin (selected or not). After the ``preprocess_request``
+    hooks, a request is refused (``ValueError`` naming the request, the parameter and the
+    installed plugins that would handle it) when a parameter is left that no active plugin
+    took: a ``SamplingParams`` field the core does not act on (``structured_outputs``, or a
+    field a plugin claims here) still set, or still an ``extra_args`` key; ``multi_modal_data``
+    of a modality with no ``mm_items``; an ``extra_args`` key claimed only by plugins that are
+    not active (a value equal to the plugin's flag default passes: the CLI sends every flag).
+    ``extra_args`` keys no installed plugin claims pass, for the user's own hooks::
+
+        @hookimpl
+        def claim_request_parameters():
+            return RequestParameters(modalities=("audio",), extra_args=("audio_language",))
     """
 
 
@@ -174,7 +235,7 @@ def add_cli_options(parser: argparse.ArgumentParser) -> None:
 
 
 @hookspec
-def add_routes(app: fastapi.FastAPI, engine: AsyncLLM) -> None:
+def add_routes(app: fastapi.FastAPI, engine: AsyncLLM, context: EngineContext) -> None:
     """Add HTTP routes to the ``hookllm serve`` app (the active plugins' implementations, all called).
 
     ``app`` is the server's FastAPI app, with the OpenAI routes already in place (a route with

@@ -1,37 +1,57 @@
 """Finding installed plugins (entry-point group ``hookllm.plugins``) and choosing the active set.
 
-Every installed plugin contributes to ``register_models``; the other hooks run only for the
-active plugins: those the user selected, the one that registered the checkpoint's
-architecture, and the core defaults. A plugin that fails to load is kept with its error, so it
-can be listed and reported when selected, and never takes down the others.
+Every installed plugin contributes to ``register_models``, ``add_cli_options`` and
+``claim_request_parameters``; the other hooks run only for the active plugins: those the user
+selected, the one that registered the checkpoint's architecture, and the core defaults. A
+plugin that fails to load is kept with its error, so it can be listed and reported when
+selected, and never takes down the others.
+
+A plugin is a module or a class. A class is instantiated (without arguments) each time an
+engine's active hooks are built, so its instance is that engine's alone.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import inspect
 import os
 from dataclasses import dataclass, field
 from importlib import metadata
-from types import ModuleType
-from typing import Iterable
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import pluggy
 
-from hookllm.plugins import defaults, hookspecs
+from hookllm.plugins import hookspecs
+from hookllm.plugins.context import EngineContext, RequestParameters
 from hookllm.plugins.registry import ModelRegistry
+from hookllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hookllm.sched.request import Request
 
 ENTRY_POINT_GROUP = "hookllm.plugins"
 CORE_PLUGIN = "core"
+# SamplingParams fields the core carries but never acts on: a plugin must take them (or their
+# extra_args spelling) in preprocess_request, else the request is refused.
+PLUGIN_FIELDS = ("structured_outputs",)
+_DEFAULT_PARAMS = SamplingParams()
+_NO_DEFAULT = object()  # an extra_args key a plugin names outright: any value needs the plugin
 
 
 @dataclass
 class PluginInfo:
     name: str
-    module: ModuleType | None
+    module: Any  # the plugin: a module or a class (None when it failed to load)
     distribution: str = ""
     version: str = ""
     error: str | None = None
     hooks: list[str] = field(default_factory=list)
     architectures: list[str] = field(default_factory=list)
+    parameters: RequestParameters = field(default_factory=RequestParameters)
+    # extra_args keys from its add_cli_options dests -> the flag's default (what the CLI sends unasked)
+    option_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def _new_plugin_manager() -> pluggy.PluginManager:
@@ -40,13 +60,14 @@ def _new_plugin_manager() -> pluggy.PluginManager:
     return pm
 
 
-def _check_hooks(name: str, module: ModuleType) -> list[str]:
-    """The hooks ``module`` implements. ``ValueError`` for an implementation of no known hook
-    (pluggy's ``check_pending``) or one taking arguments its hook does not pass."""
+def _check_hooks(name: str, plugin: Any) -> list[str]:
+    """The hooks ``plugin`` implements. ``ValueError`` for an implementation of no known hook
+    (pluggy's ``check_pending``), one taking arguments its hook does not pass, or a class
+    plugin's installed-wide hook that needs an instance."""
     pm = _new_plugin_manager()
     try:
-        pm.register(module, name=name)
-        callers = pm.get_hookcallers(module) or []
+        pm.register(plugin, name=name)
+        callers = pm.get_hookcallers(plugin) or []
         unknown = [caller.name for caller in callers if not caller.has_spec()]
         if unknown:
             known = sorted(n for n, f in vars(hookspecs).items() if pm.parse_hookspec_opts(hookspecs, n))
@@ -55,7 +76,14 @@ def _check_hooks(name: str, module: ModuleType) -> list[str]:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
         raise ValueError(f"plugin {name!r}: {exc}") from None
-    return sorted(caller.name for caller in callers)
+    hooks = sorted(caller.name for caller in callers)
+    if inspect.isclass(plugin):
+        bound = [hook for hook in hooks if hook in hookspecs.INSTALLED_WIDE
+                 and not isinstance(inspect.getattr_static(plugin, hook), (staticmethod, classmethod))]
+        if bound:
+            raise ValueError(f"plugin {name!r}: {', '.join(bound)} run before any engine (so any instance) exists: "
+                             "make them @staticmethod or @classmethod")
+    return hooks
 
 
 def _allowed_names() -> set[str] | None:
@@ -85,8 +113,16 @@ def discover_plugins() -> dict[str, PluginInfo]:
     return plugins
 
 
+def _option_defaults(add_cli_options: pluggy.HookCaller) -> dict[str, Any]:
+    """The dests of the flags ``add_cli_options`` adds, with their defaults."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_cli_options(parser=parser)
+    return vars(parser.parse_known_args([])[0])
+
+
 class PluginManager:
-    """All installed plugins, the model registry they fill, and hook callers for an active set."""
+    """All installed plugins, the model registry and request parameters they declare, and the
+    hooks of an active set."""
 
     def __init__(self, plugins: dict[str, PluginInfo] | None = None):
         self.plugins = discover_plugins() if plugins is None else plugins
@@ -95,11 +131,16 @@ class PluginManager:
         for info in self.loaded():
             registrations.register(info.module, name=info.name)
         for info in self.loaded():
-            # One plugin at a time, so each registration is recorded under its plugin's name.
+            # One plugin at a time, so each declaration is recorded under its plugin's name.
             others = [other.module for other in self.loaded() if other is not info]
-            register = registrations.subset_hook_caller("register_models", remove_plugins=others)
-            register(registry=self.registry.scoped(info.name))
+            alone = lambda hook: registrations.subset_hook_caller(hook, remove_plugins=others)  # noqa: E731
+            alone("register_models")(registry=self.registry.scoped(info.name))
             info.architectures = self.registry.architectures_of(info.name)
+            info.option_defaults = _option_defaults(alone("add_cli_options"))
+            declared = [p for p in alone("claim_request_parameters")() if p is not None]
+            info.parameters = RequestParameters(*(
+                tuple(dict.fromkeys(name for p in declared for name in getattr(p, part.name)))
+                for part in dataclasses.fields(RequestParameters)))
         self.all_plugins = registrations  # add_cli_options runs on every installed plugin
 
     def loaded(self) -> list[PluginInfo]:
@@ -117,39 +158,36 @@ class PluginManager:
                 raise ValueError(f"plugin {name!r} failed to load: {info.error}")
         return names
 
-    def model_owner(self, architecture: str, selected: list[str]) -> str:
-        """The plugin whose class serves ``architecture``: a selected one wins a conflict."""
-        owners = self.registry.owners(architecture)
-        if not owners:
-            raise ValueError(
-                f"no installed plugin serves architecture {architecture!r}; "
-                f"known architectures: {', '.join(self.registry.architectures) or 'none'}"
-            )
-        if len(owners) == 1:
-            return owners[0]
-        chosen = [o for o in owners if o in selected]
-        if len(chosen) == 1:
-            return chosen[0]
-        raise ValueError(
-            f"architecture {architecture!r} is registered by several plugins ({', '.join(owners)}); "
-            "select exactly one of them with --plugin / LLM(plugins=[...])"
-        )
-
-    def active_hooks(self, names: list[str]) -> "ActiveHooks":
-        """The hooks of the named plugins plus the core defaults (registered ``trylast``)."""
+    def active_hooks(self, names: list[str], core: Any, context: EngineContext) -> "ActiveHooks":
+        """The hooks of the named plugins (each class plugin instantiated for this engine) plus
+        ``core``, the core's default implementations (registered ``trylast`` by their marks).
+        ``context.model_config.plugin`` is the checkpoint's adapter: the other active adapters
+        are left out of the model-scoped hooks."""
         pm = _new_plugin_manager()
-        pm.register(defaults, name=CORE_PLUGIN)
+        pm.register(core, name=CORE_PLUGIN)
+        owner = context.model_config.plugin
+        other_adapters = []
         for name in dict.fromkeys(names):
-            pm.register(self.plugins[name].module, name=name)
-        return ActiveHooks(pm)
+            plugin = self.plugins[name].module
+            plugin = plugin() if inspect.isclass(plugin) else plugin
+            pm.register(plugin, name=name)
+            if self.plugins[name].architectures and name != owner:
+                other_adapters.append(plugin)
+        return ActiveHooks(pm, context, self.plugins, other_adapters)
 
 
 class ActiveHooks:
-    """The hooks of one engine's active plugins: ``hooks.hook.NAME(**kwargs)`` calls them through pluggy."""
+    """The hooks of one engine's active plugins: ``hooks.hook.NAME(**kwargs)`` calls them through
+    pluggy; ``hooks.context`` is the engine's :class:`hookllm.plugins.context.EngineContext`."""
 
-    def __init__(self, pm: pluggy.PluginManager):
+    def __init__(self, pm: pluggy.PluginManager, context: EngineContext, installed: dict[str, PluginInfo],
+                 other_adapters: list[Any]):
         self.pm = pm
-        self.hook = pm.hook
+        self.context = context
+        self.installed = installed
+        self.hook = SimpleNamespace(**{
+            name: pm.subset_hook_caller(name, other_adapters) if name in hookspecs.MODEL_SCOPED else caller
+            for name, caller in vars(pm.hook).items()})
 
     @property
     def plugin_names(self) -> list[str]:
@@ -162,3 +200,48 @@ class ActiveHooks:
         impls = reversed(getattr(self.hook, hook_name).get_hookimpls())
         names = [repr(impl.plugin_name) for impl in impls if impl.plugin_name != CORE_PLUGIN]
         return f"plugin {names[0]}" if len(names) == 1 else "one of the plugins " + ", ".join(names)
+
+    def check_claimed(self, request: Request) -> None:
+        """Refuse ``request`` (``ValueError``) if it carries a parameter that no active plugin
+        handles; called once the ``preprocess_request`` hooks have run. See the
+        ``claim_request_parameters`` hookspec for the rule."""
+        params = request.sampling_params
+        claimed = (name for info in self._loaded() for name in info.parameters.sampling_params)
+        fields = dict.fromkeys([*PLUGIN_FIELDS, *claimed])
+        for name in fields:
+            if name in params.extra_args or getattr(params, name, None) != getattr(_DEFAULT_PARAMS, name, None):
+                self._refuse(request, name, lambda info: name in info.parameters.sampling_params)
+        data = request.multi_modal_data or {}
+        taken = {item.modality for item in request.mm_items}
+        for modality in sorted(m for m, items in data.items() if items and m not in taken):
+            self._refuse(request, f"multi_modal_data {modality!r}", lambda info: modality in info.parameters.modalities)
+        active = set(self.plugin_names)
+        for key, value in params.extra_args.items():
+            owners = [info for info in self._loaded() if self._claims_key(info, key, value)]
+            if owners and not any(info.name in active for info in owners):
+                self._refuse(request, f"extra_args key {key!r}", lambda info: info in owners)
+
+    def _loaded(self) -> list[PluginInfo]:
+        return [info for info in self.installed.values() if info.module is not None]
+
+    @staticmethod
+    def _claims_key(info: PluginInfo, key: str, value: Any) -> bool:
+        """Whether ``key=value`` in extra_args needs plugin ``info`` (a flag left at its default does not)."""
+        default = info.option_defaults.get(key, _NO_DEFAULT)
+        return key in info.parameters.extra_args or (default is not _NO_DEFAULT and value != default)
+
+    def _refuse(self, request: Request, parameter: str, handles: Callable[[PluginInfo], bool]) -> None:
+        """``ValueError``: ``parameter`` of ``request`` is left over; names the installed plugins
+        that ``handles`` it and why none of them took it."""
+        active = set(self.plugin_names)
+        owner = self.context.model_config.plugin
+        handlers = [info for info in self._loaded() if handles(info)]
+        inactive = [info.name for info in handlers if info.name not in active]
+        hints = [f"plugin {info.name!r} serves only {', '.join(info.architectures)}"
+                 for info in handlers if info.name in active and info.architectures and info.name != owner]
+        if inactive:
+            hints.append("select one with " + " / ".join(f"--plugin {name} / LLM(plugins=[{name!r}])"
+                                                         for name in inactive))
+        raise ValueError(f"request {request.request_id}: no active plugin takes {parameter} for "
+                         f"{self.context.model_config.architecture}; "
+                         + ("; ".join(hints) or "no installed plugin handles it"))

@@ -11,7 +11,9 @@ import pytest
 
 from hookllm import EngineConfig, LLMEngine, SamplingParams, hookimpl
 from hookllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError
-from hookllm.engine.core_client import EngineCore, merge_wire
+from hookllm.engine.loop import EngineLoop
+from hookllm.engine.messages import (AddRequest, CompletionDelta, OutputDelta, PromptHead, RequestAdded, Shutdown,
+                                     merge_deltas)
 from hookllm.plugins.manager import PluginInfo, PluginManager, discover_plugins
 from hookllm.server.app import ServerSettings, build_app
 
@@ -131,12 +133,14 @@ def test_a_slow_consumer_gets_the_deltas_that_piled_up_as_one(engine, make_llm):
     assert rest.prompt_token_ids == first.prompt_token_ids
 
 
-def test_merged_wire_outputs_join_text_tokens_and_logprobs_and_keep_the_head():
-    head = ("Hi", [5, 6], None, 0)
-    first = ("r", False, head, [(0, "He", [1], -0.5, [{1: "a"}], None, None)], None)
-    later = ("r", True, None, [(0, "llo", [2, 3], -1.5, [{2: "b"}, {3: "c"}], "length", None)], "metrics")
-    assert merge_wire(first, later) == (
-        "r", True, head, [(0, "Hello", [1, 2, 3], -1.5, [{1: "a"}, {2: "b"}, {3: "c"}], "length", None)], "metrics")
+def test_merged_deltas_join_text_tokens_and_logprobs_and_keep_the_head():
+    head = PromptHead("Hi", [5, 6], None, 0)
+    first = OutputDelta("r", False, head, [CompletionDelta(0, "He", [1], -0.5, [{1: "a"}], None, None)], None)
+    later = OutputDelta("r", True, None, [CompletionDelta(0, "llo", [2, 3], -1.5, [{2: "b"}, {3: "c"}], "length",
+                                                          None)], "metrics")
+    assert merge_deltas(first, later) == OutputDelta(
+        "r", True, head, [CompletionDelta(0, "Hello", [1, 2, 3], -1.5, [{1: "a"}, {2: "b"}, {3: "c"}], "length", None)],
+        "metrics")
 
 
 @pytest.fixture(scope="module")
@@ -187,8 +191,8 @@ def test_shutdown_stops_the_engine_process_and_refuses_new_requests(tiny_llama_d
         asyncio.run(collect(engine, "Hello", greedy(2)))
 
 
-def run_engine_core(tiny_llama_dir, script: list[tuple[int, int, tuple]], num_clients: int) -> dict[int, list]:
-    """``EngineCore`` over a fresh engine with ``num_clients`` clients, fed ``script``: each
+def run_engine_loop(tiny_llama_dir, script: list[tuple[int, int, tuple]], num_clients: int) -> dict[int, list]:
+    """``EngineLoop`` over a fresh engine with ``num_clients`` clients, fed ``script``: each
     ``(after, client, command)`` is received once ``after`` reports have gone out (or at once when
     the engine is idle). Returns each client's reports, in order."""
     engine = LLMEngine(EngineConfig(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=32))
@@ -202,45 +206,45 @@ def run_engine_core(tiny_llama_dir, script: list[tuple[int, int, tuple]], num_cl
             return client, command
         return None
 
-    EngineCore(engine, receive, lambda client, report: reports[client].append(report), num_clients).run()
+    EngineLoop(engine, receive, lambda client, report: reports[client].append(report), num_clients).run()
     return reports
 
 
 def outputs_by_request(reports: list) -> dict[str, list]:
     outputs: dict[str, list] = {}
     for report in reports:
-        for wire in report.outputs:
-            outputs.setdefault(wire[0], []).append(wire)
+        for delta in report.outputs:
+            outputs.setdefault(delta.request_id, []).append(delta)
     return outputs
 
 
-def test_an_engine_core_sends_each_request_to_the_client_that_added_it(tiny_llama_dir):
-    reports = run_engine_core(tiny_llama_dir, [
-        (0, 0, ("add", "a", {"prompt_token_ids": [5, 6, 7]}, greedy(4))),
-        (0, 1, ("add", "b", {"prompt_token_ids": [8, 9]}, greedy(6))),
-        (0, 1, ("add", "c", {"prompt_token_ids": [1] * 4096}, greedy(1))),  # too long: refused
-        (10**6, 0, ("shutdown",)), (10**6, 1, ("shutdown",)),
+def test_an_engine_loop_sends_each_request_to_the_client_that_added_it(tiny_llama_dir):
+    reports = run_engine_loop(tiny_llama_dir, [
+        (0, 0, AddRequest("a", {"prompt_token_ids": [5, 6, 7]}, greedy(4))),
+        (0, 1, AddRequest("b", {"prompt_token_ids": [8, 9]}, greedy(6))),
+        (0, 1, AddRequest("c", {"prompt_token_ids": [1] * 4096}, greedy(1))),  # too long: refused
+        (10**6, 0, Shutdown()), (10**6, 1, Shutdown()),
     ], num_clients=2)
-    assert [added for r in reports[0] for added in r.added] == [("a", None)]
-    assert [added[0] for r in reports[1] for added in r.added] == ["b", "c"]
-    assert [added[1][0] for r in reports[1] for added in r.added if added[1]] == ["ValueError"]
+    assert [added for r in reports[0] for added in r.added] == [RequestAdded("a")]
+    assert [added.request_id for r in reports[1] for added in r.added] == ["b", "c"]
+    assert [added.error[0] for r in reports[1] for added in r.added if added.error] == ["ValueError"]
     zero, one = outputs_by_request(reports[0]), outputs_by_request(reports[1])
     assert list(zero) == ["a"] and list(one) == ["b"]
     # Outputs are cumulative here (AsyncLLM asks for deltas): the last holds every token.
-    assert len(zero["a"][-1][3][0][2]) == 4 and zero["a"][-1][1]
-    assert len(one["b"][-1][3][0][2]) == 6 and one["b"][-1][1]
+    assert len(zero["a"][-1].completions[0].token_ids) == 4 and zero["a"][-1].finished
+    assert len(one["b"][-1].completions[0].token_ids) == 6 and one["b"][-1].finished
     assert reports[0][-1].closed and reports[1][-1].closed
 
 
 def test_a_client_that_shuts_down_has_its_requests_aborted_while_the_others_go_on(tiny_llama_dir):
-    reports = run_engine_core(tiny_llama_dir, [
-        (0, 0, ("add", "a", {"prompt_token_ids": [5, 6, 7]}, greedy(40, ignore_eos=True))),
-        (0, 1, ("add", "b", {"prompt_token_ids": [8, 9]}, greedy(40, ignore_eos=True))),
-        (6, 0, ("shutdown",)),
-        (10**6, 1, ("shutdown",)),
+    reports = run_engine_loop(tiny_llama_dir, [
+        (0, 0, AddRequest("a", {"prompt_token_ids": [5, 6, 7]}, greedy(40, ignore_eos=True))),
+        (0, 1, AddRequest("b", {"prompt_token_ids": [8, 9]}, greedy(40, ignore_eos=True))),
+        (6, 0, Shutdown()),
+        (10**6, 1, Shutdown()),
     ], num_clients=2)
     assert reports[0][-1].closed
     zero, one = outputs_by_request(reports[0]), outputs_by_request(reports[1])
-    assert not zero["a"][-1][1] and len(zero["a"][-1][3][0][2]) < 40  # cut off
-    assert one["b"][-1][1] and len(one["b"][-1][3][0][2]) == 40
+    assert not zero["a"][-1].finished and len(zero["a"][-1].completions[0].token_ids) < 40  # cut off
+    assert one["b"][-1].finished and len(one["b"][-1].completions[0].token_ids) == 40
     assert reports[1][-1].closed

@@ -51,7 +51,7 @@ def test_a_request_stopped_while_a_step_is_in_flight_drops_that_steps_token(make
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
     out = llm.generate(PROMPT, params)[0].outputs[0]
     assert out.token_ids == free_run[: free_run.index(stop_id) + 1]
-    assert not llm.engine.scheduler.requests
+    assert not llm.engine.engine_core.scheduler.requests
     testing.assert_all_blocks_free(llm)
 
 
@@ -64,7 +64,7 @@ class OverlapProbe:
         self.changed = threading.Condition()
         self.runner_thread = threading.get_ident()
         self.overlapped: list[bool] = []  # per job run off the runner's thread
-        schedule = engine.scheduler.schedule
+        schedule = engine.engine_core.scheduler.schedule
 
         def counting():
             batch = schedule()
@@ -73,7 +73,7 @@ class OverlapProbe:
                 self.changed.notify_all()
             return batch
 
-        engine.scheduler.schedule = counting
+        engine.engine_core.scheduler.schedule = counting
 
     @hookimpl
     def start_logits_job(self, batch):
@@ -128,4 +128,4 @@ def test_a_failing_deferred_step_fails_its_call_and_the_llm_serves_again(make_ll
         llm.generate([PROMPT, "The"], [testing.greedy(1), explode])
     assert llm.generate(PROMPT, testing.greedy(6))[0].outputs[0].token_ids == expected
     testing.assert_all_blocks_free(llm)
-    assert not llm.engine.worker.runner.requests
+    assert not llm.engine.engine_core.worker.runner.requests

@@ -30,15 +30,15 @@ def reference_beams(model, prompt: list[int], k: int, max_tokens: int, eos: int 
 def test_beam_search_matches_transformers(make_llm, tiny_llama_reference, k, with_eos):
     llm = make_llm(num_kv_blocks=64)
     copies = []
-    copy_blocks = llm.engine.worker.copy_blocks
-    llm.engine.worker.copy_blocks = lambda pairs: (copies.extend(pairs), copy_blocks(pairs))
+    copy_blocks = llm.engine.engine_core.worker.copy_blocks
+    llm.engine.engine_core.worker.copy_blocks = lambda pairs: (copies.extend(pairs), copy_blocks(pairs))
     ended_early = False
     for prompt in testing.random_prompts(2, 320, min_len=5, max_len=30, seed=k):
         eos = None
         if with_eos:
             # The random model rarely says EOS: make the token its greedy run emits third the EOS.
             eos = testing.reference_greedy(tiny_llama_reference, prompt, 3)[-1]
-            llm.engine.scheduler.eos_token_ids = {eos}
+            llm.engine.engine_core.scheduler.eos_token_ids = {eos}
         params = BeamSearchParams(beam_width=k, max_tokens=10, ignore_eos=not with_eos, length_penalty=0.7)
         ours = llm.beam_search({"prompt_token_ids": prompt}, params)[0].sequences
         theirs = reference_beams(tiny_llama_reference, prompt, k, 10, eos, 0.7)

@@ -1,5 +1,7 @@
 """The hookllm command line."""
 
+import json
+
 import pytest
 
 from hookllm import testing
@@ -11,6 +13,32 @@ def test_help_lists_the_commands(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert "generate" in out and "plugins" in out
+
+
+def help_entries(text: str) -> list[str]:
+    """A ``--help`` text as one entry per flag (or heading): wrapped lines joined."""
+    entries: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("   ") and entries:  # help text continues at a deeper indent
+            entries[-1] += " " + line.strip()
+        else:
+            entries.append(line.strip())
+    return entries
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_help_shows_each_default_once(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    repeated = [entry for entry in help_entries(capsys.readouterr().out) if entry.count("default:") > 1]
+    assert repeated == []
+
+
+def test_help_ends_a_flag_with_its_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "--max-tokens MAX_TOKENS most tokens to generate per prompt (default: 128)" in help_entries(
+        capsys.readouterr().out)
 
 
 def test_generate_prints_the_greedy_continuation(tiny_llama_dir, capsys):
@@ -29,6 +57,19 @@ def test_plugins_lists_the_bundled_adapters(capsys):
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
     assert "llama" in out and "Qwen3ForCausalLM" in out and "llava" in out
+
+
+def test_plugins_fits_a_100_column_terminal(capsys):
+    assert main(["plugins"]) == 0
+    assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= 100
+
+
+def test_plugins_wrapped_lists_keep_every_hook_and_architecture(capsys):
+    assert main(["plugins", "--json"]) == 0
+    names = [name for row in json.loads(capsys.readouterr().out) for name in row["hooks"] + row["architectures"]]
+    assert main(["plugins"]) == 0
+    words = capsys.readouterr().out.replace(",", " ").split()
+    assert names and all(name in words for name in names)
 
 
 def test_default_model_answers_paris(capsys):

@@ -52,7 +52,7 @@ def test_max_num_seqs_bounds_the_running_batch(make_llm, prompts, alone_outputs)
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            assert len(engine.scheduler.running) <= 3
+            assert len(engine.engine_core.scheduler.running) <= 3
             if out.finished:
                 finished[out.request_id] = out.outputs[0].token_ids
     assert [finished[i] for i in ids] == alone_outputs[:8]
@@ -90,5 +90,5 @@ def test_blocks_are_freed_the_moment_a_request_finishes(make_llm):
     outputs = {o.request_id: o for o in engine.step()}
     assert outputs[short].finished
     # The finished request's 2 blocks are back; the other still holds its 2.
-    assert engine.block_manager.num_free_blocks == 16 - 2
+    assert engine.engine_core.block_manager.num_free_blocks == 16 - 2
     assert not engine.has_request(short)

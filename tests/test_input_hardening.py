@@ -47,16 +47,17 @@ def test_non_finite_sampling_values_are_refused(field, value):
 
 
 def test_any_error_while_adding_removes_the_calls_earlier_requests(llm, monkeypatch):
-    real = llm.engine._make_request
+    processor = llm.engine.input_processor
+    real = processor._make_request
     calls = []
 
-    def fail_on_second(prompt, params, request_id):
+    def fail_on_second(request_id, prompt, params):
         calls.append(request_id)
         if len(calls) == 2:
             raise RuntimeError("tokenizer crashed")
-        return real(prompt, params, request_id)
+        return real(request_id, prompt, params)
 
-    monkeypatch.setattr(llm.engine, "_make_request", fail_on_second)
+    monkeypatch.setattr(processor, "_make_request", fail_on_second)
     with pytest.raises(RuntimeError, match="tokenizer crashed"):
         llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=2), use_tqdm=False)
     monkeypatch.undo()

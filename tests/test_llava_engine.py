@@ -15,6 +15,7 @@ from llava_fixtures import (  # noqa: F401 - checkpoint and reference are fixtur
 from transformers import LlamaConfig
 
 from hookllm import LLM, testing
+from hookllm.adapters.llava import encoder_cache
 from hookllm.entrypoints.cli import main as cli_main
 
 PROMPT = "USER: <image> What is this? ASSISTANT:"
@@ -36,7 +37,7 @@ def image_request(image, prompt=PROMPT):
 
 def count_encoded_images(monkeypatch, llm):
     """Record the batch size of every vision tower call."""
-    tower = llm.engine.worker.model.vision_tower
+    tower = llm.engine.engine_core.worker.model.vision_tower
     calls = []
     original = tower.forward
 
@@ -60,7 +61,7 @@ def test_each_image_is_encoded_once_under_chunking_and_preemption(monkeypatch, c
     for image, output in zip(IMAGES, outputs):
         expected = reference_greedy(reference, reference_inputs(checkpoint, PROMPT, [image]), 24)
         assert output.outputs[0].token_ids == expected
-    assert len(llm.engine.worker.model.encoder_cache) == 0
+    assert len(encoder_cache(llm.engine.engine_core.worker.hooks.context)) == 0
     testing.assert_all_blocks_free(llm)
 
 
@@ -76,7 +77,7 @@ def test_encoder_cache_is_freed_on_abort(checkpoint):
     engine = llm.engine
     request_id = engine.add_request("a", image_request(IMAGES[0]), testing.greedy(8))
     engine.step()
-    cache = engine.worker.model.encoder_cache
+    cache = encoder_cache(engine.engine_core.worker.hooks.context)
     assert len(cache) == 1
     engine.abort_request(request_id)
     assert len(cache) == 0
@@ -89,7 +90,7 @@ def test_shared_image_stays_cached_until_its_last_user_finishes(checkpoint):
     first = engine.add_request("first", image_request(IMAGES[0]), testing.greedy(8))
     second = engine.add_request("second", image_request(IMAGES[0], "USER: <image> describe the picture"), testing.greedy(8))
     engine.step()
-    cache = engine.worker.model.encoder_cache
+    cache = encoder_cache(engine.engine_core.worker.hooks.context)
     engine.abort_request(first)
     assert len(cache) == 1
     engine.abort_request(second)
@@ -113,7 +114,7 @@ def test_bad_input_fails_alone_and_the_engine_keeps_serving(shared_llm, checkpoi
         shared_llm.generate([image_request(IMAGES[1]), request_], testing.greedy(4))
     expected = reference_greedy(reference, reference_inputs(checkpoint, PROMPT, IMAGES[:1]), 4)
     assert shared_llm.generate(image_request(IMAGES[0]), testing.greedy(4))[0].outputs[0].token_ids == expected
-    assert len(shared_llm.engine.worker.model.encoder_cache) == 0
+    assert len(encoder_cache(shared_llm.engine.engine_core.worker.hooks.context)) == 0
     testing.assert_all_blocks_free(shared_llm)
 
 
@@ -122,7 +123,8 @@ def test_images_for_a_text_only_model_are_refused(tmp_path):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     path = testing.build_tiny_checkpoint(config, tmp_path)
     llm = make_llm(path)
-    with pytest.raises(ValueError, match=r"request \d+: LlamaForCausalLM takes no images"):
+    with pytest.raises(ValueError, match=r"request \d+: no active plugin takes multi_modal_data 'image' for "
+                                         r"LlamaForCausalLM; plugin 'llava' serves only LlavaForConditionalGeneration"):
         llm.generate({"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": [IMAGES[0]]}})
     reference = testing.load_reference(path)
     assert llm.generate([[1, 2, 3]], testing.greedy(4))[0].outputs[0].token_ids == testing.reference_greedy(

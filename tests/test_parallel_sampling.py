@@ -71,5 +71,5 @@ def test_n_larger_than_the_cache_is_refused_with_nothing_allocated(make_llm):
     with pytest.raises(ValueError, match=r"request big: n=5 .* 8"):
         llm.engine.add_request("big", PROMPT, SamplingParams(n=5, max_tokens=40))
     assert not llm.engine.has_request("big") and not llm.engine.has_unfinished_requests()
-    assert not llm.engine.parallel and not llm.engine.parent_of
+    assert not llm.engine.unfinished_request_ids()
     testing.assert_all_blocks_free(llm)

@@ -92,7 +92,7 @@ def test_bad_words_ban_the_last_token_after_the_rest(llm, tiny_llama_reference):
     # A two-token word of the free output whose text tokenizes back to those two tokens.
     for start in range(len(free) - 1):
         word = llm.get_tokenizer().decode(free[start:start + 2])
-        spellings = llm.engine._check_params("probe", SamplingParams(bad_words=[word])).bad_words_token_ids
+        spellings = llm.engine.input_processor._resolve_params("probe", SamplingParams(bad_words=[word])).bad_words_token_ids
         if free[start:start + 2] in spellings:
             break
     # By hand: greedy from transformers' logits, banning a spelling's last token where the output
@@ -119,11 +119,11 @@ def test_penalised_and_plain_requests_share_a_batch(llm):
 def test_requests_without_penalties_allocate_no_penalty_state(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu")
     run(llm)
-    adjuster = llm.engine.worker.runner.logits_adjuster
+    adjuster = llm.engine.engine_core.worker.runner.logits_adjuster
     assert adjuster.counts.numel() == 0 and not adjuster.slots
 
 
 def test_finished_requests_free_their_penalty_slots(llm):
     run(llm, repetition_penalty=1.2)
-    adjuster = llm.engine.worker.runner.logits_adjuster
+    adjuster = llm.engine.engine_core.worker.runner.logits_adjuster
     assert not adjuster.slots and len(adjuster.free) == adjuster.counts.shape[0] > 0

@@ -72,12 +72,12 @@ def greedy_tokens(llm: LLM, params: SamplingParams) -> list[int]:
     return llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0].token_ids
 
 
-def test_plugins_table_lists_packages_with_version_hooks_and_architectures(capsys):
+def test_plugins_lists_packages_with_version_hooks_and_architectures(capsys):
     assert main(["plugins"]) == 0
-    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
-    assert re.search(r"hookllm-gpt2 0\.1\.0\s+register_models\s+GPT2LMHeadModel$", rows["gpt2"])
-    assert re.search(r"hookllm-logit-bias 0\.1\.0\s+add_cli_options, add_routes, process_logits$",
-                     rows["logit-bias"])
+    out = capsys.readouterr().out
+    assert "gpt2 (hookllm-gpt2 0.1.0)\n  hooks:         register_models\n  architectures: GPT2LMHeadModel\n" in out
+    assert re.search(r"logit-bias \(hookllm-logit-bias 0\.1\.0\)\n  hooks: +add_cli_options, add_routes, "
+                     r"claim_request_parameters,\s+process_logits\n", out)
 
 
 def test_plugins_json_lists_packages_with_version_hooks_and_architectures(capsys):
@@ -86,10 +86,12 @@ def test_plugins_json_lists_packages_with_version_hooks_and_architectures(capsys
     assert rows["gpt2"] == {"name": "gpt2", "distribution": "hookllm-gpt2", "version": "0.1.0",
                             "hooks": ["register_models"], "architectures": ["GPT2LMHeadModel"], "error": None}
     assert rows["logit-bias"] == {"name": "logit-bias", "distribution": "hookllm-logit-bias", "version": "0.1.0",
-                                  "hooks": ["add_cli_options", "add_routes", "process_logits"], "architectures": [],
+                                  "hooks": ["add_cli_options", "add_routes", "claim_request_parameters", "process_logits"],
+                                  "architectures": [],
                                   "error": None}
     assert rows["structured"] == {"name": "structured", "distribution": "hookllm", "version": "0.1.0",
-                                  "hooks": ["preprocess_request", "request_finished", "start_logits_job"],
+                                  "hooks": ["claim_request_parameters", "preprocess_request", "request_finished",
+                                            "start_logits_job"],
                                   "architectures": [], "error": None}
 
 
@@ -165,13 +167,18 @@ def test_banned_token_gives_the_runner_up_token(gpt2_dir, reference):
     assert greedy_tokens(llm, params) == [top2[1]]
 
 
-@pytest.mark.parametrize("plugins, extra_args", [
-    ([], {"logit_bias": {7: 100.0}, "banned_token_ids": [1, 2, 3]}),  # installed but not selected
-    (["logit-bias"], {}),  # selected, but the request asks for nothing
-], ids=["not-selected", "no-extra-args"])
-def test_logit_bias_changes_nothing_unless_selected_and_asked(gpt2_dir, reference, plugins, extra_args):
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, extra_args=extra_args)
-    assert greedy_tokens(cpu_llm(gpt2_dir, plugins=plugins), params) == testing.reference_greedy(reference, PROMPT, 8)
+def test_logit_bias_changes_nothing_unless_asked(gpt2_dir, reference):
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = cpu_llm(gpt2_dir, plugins=["logit-bias"])
+    assert greedy_tokens(llm, params) == testing.reference_greedy(reference, PROMPT, 8)
+
+
+@pytest.mark.parametrize("extra_args", [{"logit_bias": {7: 100.0}}, {"banned_token_ids": [1, 2, 3]}],
+                         ids=["claimed-key", "flag-dest"])
+def test_logit_bias_arguments_without_the_plugin_selected_are_refused_naming_it(gpt2_dir, extra_args):
+    key = next(iter(extra_args))
+    with pytest.raises(ValueError, match=rf"extra_args key '{key}' .*select one with --plugin logit-bias"):
+        cpu_llm(gpt2_dir).generate({"prompt_token_ids": PROMPT}, SamplingParams(extra_args=extra_args))
 
 
 def engine_plugins_and_tokens(config: EngineConfig) -> tuple[list[str], list[int]]:

@@ -31,20 +31,22 @@ def all_plugins(monkeypatch):
 
 
 @pytest.fixture
-def make_plugin(tmp_path, monkeypatch) -> Callable[[str, str], None]:
+def make_plugin(tmp_path, monkeypatch) -> Callable[..., None]:
     """Install a plugin without pip: its module plus a ``*.dist-info`` with the entry point."""
     site = tmp_path / "site"
     site.mkdir()
     monkeypatch.syspath_prepend(str(site))
     modules: list[str] = []
 
-    def make(name: str, source: str) -> None:
+    def make(name: str, source: str, attribute: str = "") -> None:
+        """``attribute``: the entry point names that object of the module (a class plugin)."""
         module = "fake_plugin_" + name.replace("-", "_")
         (site / f"{module}.py").write_text(textwrap.dedent(source))
         dist_info = site / f"{module}-0.1.dist-info"
         dist_info.mkdir()
         (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
-        (dist_info / "entry_points.txt").write_text(f"[hookllm.plugins]\n{name} = {module}\n")
+        target = f"{module}:{attribute}" if attribute else module
+        (dist_info / "entry_points.txt").write_text(f"[hookllm.plugins]\n{name} = {target}\n")
         modules.append(module)
 
     yield make
@@ -129,7 +131,7 @@ def test_architecture_registered_by_two_plugins_is_an_error_naming_both(make_plu
 def test_selected_plugin_wins_an_architecture_conflict(make_plugin, make_llm, selected, model_class):
     make_plugin("rival", RIVAL_LLAMA)
     llm = make_llm(plugins=[selected])
-    assert type(llm.engine.worker.model).__name__ == model_class
+    assert type(llm.engine.engine_core.worker.model).__name__ == model_class
 
 
 def test_unknown_plugin_name_error_lists_installed_plugins(make_llm):
@@ -186,3 +188,140 @@ def test_a_sample_hook_wrapper_sees_and_replaces_the_sampled_tokens(make_plugin,
     # Each step's greedy token shifted by one: the first differs from the reference by exactly that.
     first = llm.generate({"prompt_token_ids": PROMPT}, testing.greedy(1))[0].outputs[0].token_ids
     assert first == [(expected_tokens[0] + 1) % 320]
+
+
+COUNTING_CLASS = """
+from hookllm import hookimpl
+
+class Counter:
+    instances = []
+
+    def __init__(self):
+        self.rows = 0
+        Counter.instances.append(self)
+
+    @hookimpl
+    def process_logits(self, logits):
+        self.rows += logits.shape[0]
+"""
+
+
+def test_a_class_plugin_is_instantiated_once_per_engine(make_plugin, make_llm):
+    make_plugin("counter", COUNTING_CLASS, "Counter")
+    engines = [make_llm(plugins=["counter"]), make_llm(plugins=["counter"])]
+    counter_class = sys.modules["fake_plugin_counter"].Counter
+    assert counter_class.instances == [llm.engine.hooks.pm.get_plugin("counter") for llm in engines]
+
+
+def test_two_engines_in_one_process_share_no_class_plugin_state(make_plugin, make_llm):
+    make_plugin("counter", COUNTING_CLASS, "Counter")
+    make_plugin("other", REGISTER_NOTHING)
+    first, second = make_llm(plugins=["counter"]), make_llm(plugins=["other", "counter"])
+    first.generate({"prompt_token_ids": PROMPT}, testing.greedy(3))
+    second.generate({"prompt_token_ids": PROMPT}, testing.greedy(5))
+    # One sampling row per step, one step per token.
+    assert [llm.engine.hooks.pm.get_plugin("counter").rows for llm in (first, second)] == [3, 5]
+
+
+def test_two_engines_in_one_process_get_their_own_state_for_a_module_plugin(make_plugin, make_llm):
+    make_plugin("rows", """
+        from hookllm import hookimpl
+
+        @hookimpl
+        def process_logits(logits, context):
+            state = context.state_for(__name__)
+            state.rows = getattr(state, "rows", 0) + logits.shape[0]
+    """)
+    first, second = make_llm(plugins=["rows"]), make_llm(plugins=["rows"])
+    first.generate({"prompt_token_ids": PROMPT}, testing.greedy(3))
+    second.generate({"prompt_token_ids": PROMPT}, testing.greedy(5))
+    assert [llm.engine.hooks.context.state_for("fake_plugin_rows").rows for llm in (first, second)] == [3, 5]
+
+
+def test_a_class_plugin_with_an_instance_method_for_register_models_is_a_load_error(make_plugin):
+    make_plugin("unbound", """
+        from hookllm import hookimpl
+
+        class Unbound:
+            @hookimpl
+            def register_models(self, registry):
+                pass
+    """, "Unbound")
+    assert "register_models run before any engine (so any instance) exists" in PluginManager().plugins["unbound"].error
+
+
+RECORDING_HOOKS = """
+from hookllm import hookimpl
+
+calls = []
+
+@hookimpl
+def register_models(registry):
+    {register}
+
+@hookimpl
+def preprocess_request(request):
+    calls.append("preprocess_request")
+
+@hookimpl
+def prepare_inputs(batch):
+    calls.append("prepare_inputs")
+"""
+
+
+@pytest.mark.parametrize("register, expected_calls", [
+    ('registry.register("FooForCausalLM", "nowhere:Foo")', []),  # an adapter of another architecture
+    ("pass", ["preprocess_request", "prepare_inputs"]),  # a hook-only plugin
+], ids=["adapter", "hook-only"])
+def test_model_scoped_hooks_reach_hook_only_plugins_but_not_another_architectures_adapter(
+    make_plugin, make_llm, register, expected_calls
+):
+    make_plugin("recorder", RECORDING_HOOKS.format(register=register))
+    make_llm(plugins=["recorder"]).generate({"prompt_token_ids": PROMPT}, testing.greedy(1))
+    assert sys.modules["fake_plugin_recorder"].calls == expected_calls
+
+
+CLAIMING_PLUGIN = """
+from hookllm import hookimpl
+from hookllm.plugins.context import RequestParameters
+
+@hookimpl
+def claim_request_parameters():
+    return RequestParameters(extra_args=("tag",), modalities=("audio",))
+
+@hookimpl
+def add_cli_options(parser):
+    parser.add_argument("--shout", action="store_true", dest="shout")
+"""
+
+
+@pytest.mark.parametrize("prompt, extra_args, parameter", [
+    (PROMPT, {"tag": "x"}, "extra_args key 'tag'"),
+    (PROMPT, {"shout": True}, "extra_args key 'shout'"),  # an add_cli_options dest
+    ({"prompt_token_ids": PROMPT, "multi_modal_data": {"audio": [b"..."]}}, {}, "multi_modal_data 'audio'"),
+], ids=["declared-key", "cli-dest", "modality"])
+def test_a_parameter_of_an_installed_but_inactive_plugin_is_refused_naming_it_and_the_plugin(
+    make_plugin, make_llm, prompt, extra_args, parameter
+):
+    make_plugin("claimer", CLAIMING_PLUGIN)
+    engine = make_llm().engine
+    message = (rf"request r: no active plugin takes {parameter} for LlamaForCausalLM; "
+               r"select one with --plugin claimer / LLM\(plugins=\['claimer'\]\)")
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("r", prompt, SamplingParams(extra_args=extra_args))
+    assert not engine.has_request("r")
+
+
+@pytest.mark.parametrize("extra_args", [{"shout": False}, {"my_own_key": 1}], ids=["flag-default", "unclaimed-key"])
+def test_extra_args_at_a_flag_default_or_claimed_by_no_plugin_are_allowed(make_plugin, make_llm, expected_tokens,
+                                                                          extra_args):
+    make_plugin("claimer", CLAIMING_PLUGIN)
+    params = SamplingParams(max_tokens=6, temperature=0.0, extra_args=extra_args)
+    assert make_llm().generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0].token_ids == expected_tokens
+
+
+def test_extra_args_key_of_an_active_plugin_is_allowed(make_plugin, make_llm, expected_tokens):
+    make_plugin("claimer", CLAIMING_PLUGIN)
+    params = SamplingParams(max_tokens=6, temperature=0.0, extra_args={"tag": "x"})
+    llm = make_llm(plugins=["claimer"])
+    assert llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0].token_ids == expected_tokens

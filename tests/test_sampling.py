@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hookllm import SamplingParams, testing
-from hookllm.worker.batch import RequestState
+from hookllm.worker.batch import CachedRequestState
 from hookllm.kernels.reference import hashed_exponential_noise
 from hookllm.worker.sampler import apply_top_k_top_p_min_p, sample, seeded_row_keys
 
@@ -15,7 +15,7 @@ PROMPTS = [[5, 9, 13, 200, 7], [42, 43, 44], [100] * 12]
 
 
 def _requests(params_list):
-    return [RequestState(str(i), [1], 1, p) for i, p in enumerate(params_list)]
+    return [CachedRequestState(str(i), [1], 1, p) for i, p in enumerate(params_list)]
 
 
 def _draw(logits_row, params, n=400, seed=0):
@@ -185,7 +185,7 @@ def test_seeded_sampling_follows_the_distribution(vary):
     n = 20000
     seeds = list(range(n)) if vary == "seed" else [7] * n
     positions = [random.Random(n).randrange(4096) for _ in range(n)] if vary == "seed" else list(range(n))
-    requests = [RequestState(str(i), [1], 1, SamplingParams(temperature=1.0, seed=seed)) for i, seed in enumerate(seeds)]
+    requests = [CachedRequestState(str(i), [1], 1, SamplingParams(temperature=1.0, seed=seed)) for i, seed in enumerate(seeds)]
     tokens = sample(LOGITS.repeat(n, 1), requests, torch.Generator().manual_seed(0), positions)
     counts = torch.bincount(tokens, minlength=6).double()
     expected = n * PROBS.double()

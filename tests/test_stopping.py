@@ -59,7 +59,7 @@ def test_stop_token_id_ends_the_output_on_that_token(llm, free_run):
 def test_eos_stops_unless_ignore_eos(make_llm, free_run):
     # Make the tiny model's EOS a token it is known to produce at step 4.
     llm = make_llm()
-    llm.engine.scheduler.eos_token_ids = {free_run.token_ids[3]}
+    llm.engine.engine_core.scheduler.eos_token_ids = {free_run.token_ids[3]}
     first = free_run.token_ids.index(free_run.token_ids[3])
     stopped = llm.generate(PROMPT, SamplingParams(max_tokens=40, temperature=0))[0].outputs[0]
     assert stopped.token_ids == free_run.token_ids[: first + 1] and stopped.finish_reason == "stop"
@@ -69,7 +69,7 @@ def test_eos_stops_unless_ignore_eos(make_llm, free_run):
 
 def test_min_tokens_defers_stopping(make_llm, free_run):
     llm = make_llm()
-    llm.engine.scheduler.eos_token_ids = {free_run.token_ids[0]}
+    llm.engine.engine_core.scheduler.eos_token_ids = {free_run.token_ids[0]}
     out = llm.generate(PROMPT, SamplingParams(max_tokens=10, min_tokens=10, temperature=0))[0].outputs[0]
     assert len(out.token_ids) == 10
 

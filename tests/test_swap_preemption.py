@@ -79,10 +79,10 @@ def test_swapped_requests_resume_without_recompute(run, prompts, async_schedulin
 
 @SCHEDULING
 def test_tiny_swap_space_falls_back_to_recompute(run, alone, async_scheduling):
-    block_bytes = run(async_scheduling, preemption_mode="swap", swap_space=0.01)[0].engine.worker.block_bytes
+    block_bytes = run(async_scheduling, preemption_mode="swap", swap_space=0.01)[0].engine.engine_core.worker.block_bytes
     llm, batches, *outputs = run(async_scheduling, preemption_mode="swap", swap_space=3 * block_bytes / 2**30)
     _, roomy_batches, *_ = run(async_scheduling, preemption_mode="swap", swap_space=0.01)
-    assert llm.engine.scheduler.host_allocator.num_blocks == 3
+    assert llm.engine.engine_core.scheduler.host_allocator.num_blocks == 3
     assert any(b.swap_out for b in batches)  # some preempted requests fit the 3 host blocks ...
     # ... and the others were recomputed: more tokens computed than when every one was swapped.
     assert sum(b.total_num_tokens for b in batches) > sum(b.total_num_tokens for b in roomy_batches)
@@ -92,11 +92,11 @@ def test_tiny_swap_space_falls_back_to_recompute(run, alone, async_scheduling):
 @SCHEDULING
 @pytest.mark.parametrize("swap_blocks", [3, None], ids=["tiny", "roomy"])
 def test_every_device_and_host_block_is_free_after_draining(run, async_scheduling, swap_blocks):
-    block_bytes = run(async_scheduling, preemption_mode="swap", swap_space=0.01)[0].engine.worker.block_bytes
+    block_bytes = run(async_scheduling, preemption_mode="swap", swap_space=0.01)[0].engine.engine_core.worker.block_bytes
     swap_space = 0.01 if swap_blocks is None else swap_blocks * block_bytes / 2**30
     llm = run(async_scheduling, preemption_mode="swap", swap_space=swap_space)[0]
     testing.assert_all_blocks_free(llm)
-    scheduler = llm.engine.scheduler
+    scheduler = llm.engine.engine_core.scheduler
     assert scheduler.host_allocator.num_free_blocks == scheduler.host_allocator.num_blocks
     assert not scheduler.swapped
 
@@ -110,7 +110,7 @@ def test_bad_preemption_options_are_refused(tiny_llama_dir, field, value):
 
 def test_aborting_a_swapped_request_frees_its_host_blocks(make_llm, prompts, alone):
     llm = make_llm(preemption_mode="swap", swap_space=0.01, **TIGHT)
-    engine, scheduler = llm.engine, llm.engine.scheduler
+    engine, scheduler = llm.engine, llm.engine.engine_core.scheduler
     ids = [engine.add_request(str(i), {"prompt_token_ids": p}, PARAMS) for i, p in enumerate(prompts)]
     finished = {}
     while not scheduler.swapped:

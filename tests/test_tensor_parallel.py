@@ -88,10 +88,10 @@ def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(checkpoints):
     engine = llm.engine
     engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=200, ignore_eos=True))
     engine.step()
-    os.kill(engine.worker.processes[1].pid, signal.SIGKILL)
+    os.kill(engine.engine_core.worker.processes[1].pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(WorkerError, match="rank 1"):
         for _ in range(400):
             engine.step()
     assert time.monotonic() - start < 30
-    assert not engine.worker.processes  # every rank was stopped
+    assert not engine.engine_core.worker.processes  # every rank was stopped

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import json
 import shutil
-import warnings
 import weakref
 
 import pytest
@@ -156,20 +155,11 @@ def test_uncached_hub_id_is_a_one_line_error(tmp_path, monkeypatch):
 def test_shutdown_and_cleanup_free_the_kv_cache(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=8)
     llm.generate([PROMPT], testing.greedy(2), use_tqdm=False)
-    caches = [weakref.ref(layer.k_cache) for layer in llm.engine.worker.attention_layers]
+    caches = [weakref.ref(layer.k_cache) for layer in llm.engine.engine_core.worker.attention_layers]
     llm.shutdown()
     cleanup_dist_env_and_memory()
     gc.collect()
     assert all(ref() is None for ref in caches)
-
-
-def test_extra_args_of_an_inactive_plugin_warn_naming_it(llm, monkeypatch):
-    monkeypatch.setattr(type(llm.engine), "_inactive_plugin_options", lambda self: {"banned_token_ids": ("logit-bias", None)})
-    with pytest.warns(UserWarning, match="belongs to plugin 'logit-bias', which is not active; select it with --plugin logit-bias"):
-        llm.generate([PROMPT], SamplingParams(max_tokens=1, extra_args={"banned_token_ids": [3]}), use_tqdm=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        llm.generate([PROMPT], SamplingParams(max_tokens=1, extra_args={"banned_token_ids": None}), use_tqdm=False)
 
 
 # The command line.

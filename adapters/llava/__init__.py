@@ -7,18 +7,26 @@
 - ``prepare_inputs``: encode the images a step needs (once each), scatter them into the embeddings.
 - ``render_content_part``: a chat image part becomes the ``<image>`` placeholder.
 - ``request_finished``: drop cached image embeddings no live request uses any more.
+- ``claim_request_parameters``: it takes ``multi_modal_data["image"]``.
 
-The model, open_clip and the image code are imported only when a LLaVA checkpoint is served.
+These hooks are model-scoped: they run only when a LLaVA checkpoint is served, so they never
+check the architecture. The encoder cache is per engine (``encoder_cache(context)``). The
+model, open_clip and the image code are imported only when a LLaVA checkpoint is served.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 
 from hookllm import hookimpl
 from hookllm.entrypoints.chat import RenderedContent
+from hookllm.plugins.context import EngineContext, RequestParameters
+
+if TYPE_CHECKING:
+    from hookllm.adapters.llava.model import EncoderCache
 
 ARCHITECTURE = "LlavaForConditionalGeneration"
 # LLaVA-1.5's prompt placeholder: one per image, expanded into the image's token rows.
@@ -32,15 +40,30 @@ def register_models(registry):
 
 
 @hookimpl
-def load_model(model_config, device, dtype, registry):
-    if model_config.architecture != ARCHITECTURE:
-        return None
+def claim_request_parameters():
+    return RequestParameters(modalities=("image",))
+
+
+def encoder_cache(context: EngineContext) -> EncoderCache:
+    """This engine's :class:`hookllm.adapters.llava.model.EncoderCache` (made on first use)."""
+    state = context.state_for(__name__)
+    if not hasattr(state, "encoder_cache"):
+        from hookllm.adapters.llava.model import EncoderCache
+
+        state.encoder_cache = EncoderCache()
+    return state.encoder_cache
+
+
+@hookimpl
+def load_model(model_config, device, dtype, registry, context):
     from hookllm.adapters.llava.model import text_architecture
     from hookllm.worker.model_loader import building_on, iterate_weights
 
     hf_config = model_config.hf_config
     model_cls = registry.resolve(ARCHITECTURE, model_config.plugin)
-    text_model_cls = registry.resolve(text_architecture(hf_config.text_config))
+    # The decoder's class by the same rule as a checkpoint's: a selected plugin wins a conflict.
+    text_arch = text_architecture(hf_config.text_config)
+    text_model_cls = registry.resolve(text_arch, registry.owner(text_arch, context.config.plugins))
     with building_on(device, dtype):
         model = model_cls(hf_config, text_model_cls)
     model.load_weights(iterate_weights(model_config.path))
@@ -48,11 +71,11 @@ def load_model(model_config, device, dtype, registry):
 
 
 @hookimpl
-def render_content_part(part, model_config):
+def render_content_part(part):
     """An image part (``image_url`` with a URL or data URL, ``image`` / ``image_pil`` with a PIL
     image or a path) becomes the placeholder and joins ``multi_modal_data["image"]``."""
     key = IMAGE_PART_KEYS.get(part.get("type"))
-    if key is None or model_config.architecture != ARCHITECTURE:
+    if key is None:
         return None
     image = part.get(key)
     if isinstance(image, dict):  # {"url": ...}, as OpenAI's image_url parts carry it
@@ -72,10 +95,6 @@ def _image_processor(model_dir: str, image_size: int):
 @hookimpl
 def preprocess_request(request, tokenizer, model_config):
     data = request.multi_modal_data or {}
-    if model_config.architecture != ARCHITECTURE:
-        if data.get("image"):
-            raise ValueError(f"request {request.request_id}: {model_config.architecture} takes no images")
-        return
     unsupported = set(data) - {"image"}
     if unsupported:
         raise ValueError(f"request {request.request_id}: LLaVA takes only images, got {sorted(unsupported)}")
@@ -88,7 +107,7 @@ def preprocess_request(request, tokenizer, model_config):
 
 
 @hookimpl
-def prepare_inputs(batch, inputs, model):
+def prepare_inputs(batch, inputs, model, context):
     # (flat row, request, item, first and last+1 image row) for each image slice in this step.
     slices = []
     for i, (request, count) in enumerate(zip(batch.requests, batch.num_scheduled_tokens)):
@@ -99,11 +118,7 @@ def prepare_inputs(batch, inputs, model):
                 slices.append((inputs.query_start[i] + lo - start, request, item, lo - item.offset, hi - item.offset))
     if not slices:
         return
-    from hookllm.adapters.llava.model import LlavaForConditionalGeneration
-
-    if not isinstance(model, LlavaForConditionalGeneration):  # another plugin's images
-        return
-    cache = model.encoder_cache
+    cache = encoder_cache(context)
     missing = {item.content_hash: item for _, _, item, _, _ in slices if item.content_hash not in cache}
     if missing:
         pixels = torch.stack([item.data for item in missing.values()]).to(inputs.input_ids.device)
@@ -116,8 +131,6 @@ def prepare_inputs(batch, inputs, model):
 
 
 @hookimpl
-def request_finished(request, model):
-    from hookllm.adapters.llava.model import LlavaForConditionalGeneration
-
-    if request.mm_items and isinstance(model, LlavaForConditionalGeneration):
-        model.encoder_cache.release(request)
+def request_finished(request, context):
+    if request.mm_items:
+        encoder_cache(context).release(request)

@@ -2,8 +2,8 @@
 
 The text decoder is whatever class the registry holds for ``text_config``'s architecture (the
 Llama adapter's for LLaVA-1.5), so it brings its own paged ``Attention`` layers and weight
-loading. Image embeddings are computed once per distinct image and kept in ``encoder_cache``
-while a live request uses them.
+loading. Image embeddings are computed once per distinct image and kept in an
+:class:`EncoderCache` (one per engine, in the plugin's engine state) while a live request uses them.
 """
 
 from __future__ import annotations
@@ -128,7 +128,6 @@ class LlavaForConditionalGeneration(nn.Module):
         self.vision_tower = CLIPVisionTower(config.vision_config, feature_layers(config))
         self.multi_modal_projector = LlavaMultiModalProjector(config)
         self.language_model = text_model_cls(config.text_config)
-        self.encoder_cache = EncoderCache()
 
     def get_image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[n, 3, H, W]`` pixels -> ``[n, image_feature_size, text hidden]`` embeddings."""

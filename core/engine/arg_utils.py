@@ -17,6 +17,20 @@ from typing import Any
 from hookllm.config import EngineConfig
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """The help formatter of every ``hookllm`` command: a flag's help ends with its default, once.
+
+    A help text that already says ``default: ...`` (a default worked out at run time, such as
+    "the model's positions") is left as it is, and a default of ``None`` or ``[]`` (nothing set)
+    is not shown.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, []) or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def flag_name(field: dataclasses.Field) -> str:
     return field.metadata.get("flag", "--" + field.name.replace("_", "-"))
 
@@ -48,7 +62,8 @@ class EngineArgs(EngineConfig):
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """Add one flag per ``EngineConfig`` field to ``parser`` (help shows each default)."""
+        """Add one flag per ``EngineConfig`` field to ``parser`` (with ``DefaultsHelpFormatter``, help
+        shows each default)."""
         group = parser.add_argument_group("engine options")
         for field in dataclasses.fields(EngineConfig):
             group.add_argument(flag_name(field), **_argument_options(field))

@@ -22,15 +22,15 @@ from typing import Any, AsyncIterator
 from hookllm.entrypoints.chat import render_chat
 from hookllm.config import EngineConfig
 from hookllm.engine.llm_engine import LLMEngine
-from hookllm.engine.core_client import (EngineClient, EngineProcess, EngineReport, EngineThread, OutputStream, WireOutput,
-                                 merge_wire, rebuild_error)
+from hookllm.engine.core_client import EngineClient, EngineProcess, EngineThread
+from hookllm.engine.messages import (AbortRequests, AddRequest, EngineReport, OutputDelta, OutputStream, merge_deltas,
+                                     rebuild_error)
+from hookllm.inputs import PromptType
 from hookllm.outputs import CompletionOutput, RequestOutput
 from hookllm.sampling_params import SamplingParams
 from hookllm.sched.scheduler import SchedulerStats
 from hookllm.tokenizer import load_tokenizer
 from hookllm.utils import shorten_gil_switch_interval
-
-Prompt = str | list[int] | dict[str, Any]
 
 
 class EngineStepError(RuntimeError):
@@ -50,8 +50,8 @@ class _Stream(OutputStream):
         self.queue: asyncio.Queue = asyncio.Queue()
 
 
-# A queued item: a wire output (unpacked by the consumer), the abort's RequestOutput, or an error.
-QueueItem = WireOutput | RequestOutput | BaseException
+# A queued item: an output delta (unpacked by the consumer), the abort's RequestOutput, or an error.
+QueueItem = OutputDelta | RequestOutput | BaseException
 
 
 def _deliver(items: list[tuple[asyncio.Queue, QueueItem]]) -> None:
@@ -103,6 +103,8 @@ class AsyncLLM:
         shorten_gil_switch_interval()
         # Its own tokenizer: the engine's is busy (and not safe to share) on the engine's thread.
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
+        if self.hooks.context.tokenizer is None:  # this side's hooks (add_routes, render_content_part)
+            self.hooks.context.tokenizer = self.tokenizer
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "AsyncLLM":
@@ -138,7 +140,7 @@ class AsyncLLM:
         return render_chat(self, conversation, **kwargs)
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+        self, prompt: PromptType, params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as they come, each holding only what is new
         (several steps' worth when the consumer fell behind).
@@ -158,25 +160,25 @@ class AsyncLLM:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
             self._adding[request_id] = added
-        self._loop.send(("add", request_id, prompt, params))
+        self._loop.send(AddRequest(request_id, prompt, params))
         finished = False
         try:
             await asyncio.wrap_future(added)
             while not finished:
                 item = await stream.queue.get()
                 # Whatever else is already queued goes out with it, as one delta. Queued outputs
-                # are wire tuples, unpacked here: the thread reading the engine's reports only
+                # are output deltas, unpacked here: the thread reading the engine's reports only
                 # routes them, so it holds the GIL as briefly as it can.
-                while type(item) is tuple and not item[1] and not stream.queue.empty():
+                while type(item) is OutputDelta and not item.finished and not stream.queue.empty():
                     later = stream.queue.get_nowait()
-                    if type(later) is not tuple:  # an error, or the abort's output: after this delta
+                    if type(later) is not OutputDelta:  # an error, or the abort's output: after this delta
                         stream.queue.put_nowait(later)  # (nothing else is queued)
                         break
-                    item = merge_wire(item, later)
+                    item = merge_deltas(item, later)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                output = stream.unpack(item) if type(item) is tuple else item
+                output = stream.unpack(item) if type(item) is OutputDelta else item
                 finished = output.finished
                 yield output
         finally:
@@ -193,7 +195,7 @@ class AsyncLLM:
             aborted = RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], finish_reason="abort")], True)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, aborted)
         if not self._stopped.is_set():
-            self._loop.send(("abort", [request_id]))
+            self._loop.send(AbortRequests([request_id]))
 
     def shutdown(self) -> None:
         """Stop the engine loop; requests still running are aborted and their consumers get an error."""
@@ -210,28 +212,28 @@ class AsyncLLM:
             batches.setdefault(stream.loop, []).append((stream.queue, item))
 
         with self._lock:
-            for request_id, error in report.added:
-                future = self._adding.pop(request_id, None)
+            for added in report.added:
+                future = self._adding.pop(added.request_id, None)
                 if future is None:
                     continue  # aborted meanwhile
-                if error is None:
+                if added.error is None:
                     future.set_result(None)
                 else:
-                    self._streams.pop(request_id, None)
-                    future.set_exception(rebuild_error(error))
+                    self._streams.pop(added.request_id, None)
+                    future.set_exception(rebuild_error(added.error))
             if report.failed_ids:
                 failure = EngineStepError(report.failure)
                 for request_id in report.failed_ids:
                     stream = self._streams.pop(request_id, None)
                     if stream is not None:
                         put(stream, failure)
-            for wire in report.outputs:
-                stream = self._streams.get(wire[0])
+            for delta in report.outputs:
+                stream = self._streams.get(delta.request_id)
                 if stream is None:
                     continue  # aborted: its consumer already has its last output
-                if wire[1]:  # finished
-                    del self._streams[wire[0]]
-                put(stream, wire)
+                if delta.finished:
+                    del self._streams[delta.request_id]
+                put(stream, delta)
         self._stats = report.stats
         for loop, items in batches.items():
             try:

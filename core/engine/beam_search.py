@@ -17,6 +17,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hookllm.outputs import RequestOutput
 from hookllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -68,16 +69,22 @@ def beam_search(engine: "LLMEngine", prompt: Any, params: BeamSearchParams, ids:
     k = params.beam_width
     step_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * k,
                                  output_kind="final_only")
-    eos = set() if params.ignore_eos else engine.scheduler.eos_token_ids
+    eos = set() if params.ignore_eos else engine.eos_token_ids
     root = f"beam-{next(ids)}"
     engine.add_request(root, prompt, step_params)
-    prompt_tokens = list(engine.scheduler.requests[root].prompt_token_ids)
-    engine.scheduler.requests[root].retain_blocks = True
+    engine.retain_blocks(root)
     beams = [_Beam(root, [], 0.0)]
+    prompt_tokens: list[int] = []
     finished: list[tuple[float, list[int], float]] = []  # (score, generated tokens, cum_logprob)
     try:
         for length in range(1, params.max_tokens + 1):
-            logprobs = _run(engine, [b.request_id for b in beams])
+            outputs = _run(engine, [b.request_id for b in beams])
+            if length == 1:
+                prompt_tokens = list(outputs[root].prompt_token_ids)
+            # Entries may be floats or Logprob-like objects with a .logprob.
+            logprobs = {request_id: {token: getattr(lp, "logprob", lp)
+                                     for token, lp in output.outputs[0].logprobs[0].items()}
+                        for request_id, output in outputs.items()}
             candidates = sorted(((b.cum_logprob + lp, i, token) for i, b in enumerate(beams)
                                  for token, lp in logprobs[b.request_id].items()), key=lambda c: -c[0])[:2 * k]
             last = length == params.max_tokens
@@ -103,20 +110,18 @@ def beam_search(engine: "LLMEngine", prompt: Any, params: BeamSearchParams, ids:
         for b in beams:
             engine.abort_request(b.request_id)
             engine.release_request(b.request_id)
-    tokenizer = engine.tokenizer
+    tokenizer = engine.get_tokenizer()
     sequences = [BeamSearchSequence(prompt_tokens + tokens, cum, score=score,
                                     text=tokenizer.decode(prompt_tokens + tokens) if tokenizer is not None else None)
                  for score, tokens, cum in finished]
     return BeamSearchOutput(sequences)
 
 
-def _run(engine: "LLMEngine", request_ids: list[str]) -> dict[str, dict[int, float]]:
-    """Step the engine until each of ``request_ids`` has its one token: its top log-probabilities."""
+def _run(engine: "LLMEngine", request_ids: list[str]) -> dict[str, RequestOutput]:
+    """Step the engine until each of ``request_ids`` has its one token: their final outputs."""
     wanted, found = set(request_ids), {}
     while len(found) < len(wanted) and engine.has_unfinished_requests():
         for output in engine.step():
             if output.request_id in wanted and output.finished:
-                # Entries may be floats or Logprob-like objects with a .logprob.
-                found[output.request_id] = {token: getattr(lp, "logprob", lp)
-                                            for token, lp in output.outputs[0].logprobs[0].items()}
+                found[output.request_id] = output
     return found

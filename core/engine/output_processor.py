@@ -1,30 +1,89 @@
-"""Turning sampled tokens into what users read: text, logprobs and ``RequestOutput``s.
+"""Output processing: the engine core's per-step outputs in, what users read out.
 
-The output processor owns each request's detokenizer, text, logprobs and timing (the scheduler
-owns its tokens and status). It finds stop strings, which need the text, and says so to the
-engine, which ends the request in the scheduler. Streamed text (delta and cumulative outputs)
-is never taken back: text that could still become the start of a stop string is held back
-until it cannot, so the deltas always concatenate to the final text.
+The output processor owns each request's front-end state (vLLM's ``RequestState``): its
+detokenizer, text, token ids, logprobs, timing, stop strings and, for ``n > 1``, the group of
+its children. It never reads the scheduler's state: what it knows comes from the request when
+it was added and from :class:`hookllm.engine.core.EngineCoreOutputs`. A stop string is found
+here, in the text; the request is then finished here and its id is returned for the core to
+abort. Streamed text (delta and cumulative outputs) is never taken back: text that could still
+become the start of a stop string is held back until it cannot, so the deltas always
+concatenate to the final text.
+
+When a user's request ends (finished or aborted) the ``request_completed`` hook gets its
+complete final output, once.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Iterable, NamedTuple
 
+from hookllm.engine.core import EngineCoreOutputs
+from hookllm.engine.input_processor import child_request_ids
 from hookllm.outputs import CompletionOutput, LogprobsEntry, RequestMetrics, RequestOutput
-from hookllm.sched.request import Request, RequestStatus
+from hookllm.plugins.manager import ActiveHooks
 from hookllm.sampling_params import RequestOutputKind
+from hookllm.sched.request import Request
 from hookllm.tokenizer import IncrementalDetokenizer
 
 
-class RequestTextState:
-    __slots__ = ("detokenizer", "text", "logprobs", "cumulative_logprob", "prompt_logprobs", "metrics",
-                 "sent_text", "sent_tokens")
+class ParentRequest:
+    """A request with ``n`` > 1, run as ``n`` child requests that share the prompt's KV blocks.
 
-    def __init__(self, detokenizer: IncrementalDetokenizer | None, request: Request):
+    Reported vLLM's way: with ``final_only`` one ``RequestOutput`` holding the ``n`` completions
+    (``CompletionOutput.index`` = i) once all finish; with ``cumulative`` / ``delta`` each child's
+    progress as its own ``RequestOutput`` under the parent's id, carrying that child's completion
+    only, and ``finished`` set on the output of the last child to finish.
+    """
+
+    def __init__(self, request_id: str, n: int, output_kind: RequestOutputKind):
+        self.request_id = request_id
+        self.child_ids = child_request_ids(request_id, n)
+        self.index = {child_id: i for i, child_id in enumerate(self.child_ids)}
+        self.output_kind = output_kind
+        self.completions: dict[int, CompletionOutput] = {}  # final_only: each finished child's
+        self.final: dict[int, CompletionOutput] = {}  # for request_completed: each ended child's, complete
+        self.num_finished = 0
+        self.num_cached_tokens = 0  # the best hit among the children (the first computes the prompt)
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.child_ids)
+
+    def add(self, output: RequestOutput) -> RequestOutput | None:
+        """A child's output in, the parent's output to report (None while a final one is pending)."""
+        completion = output.outputs[0]
+        completion.index = self.index[output.request_id]
+        self.num_finished += output.finished
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if self.output_kind is RequestOutputKind.FINAL_ONLY:
+            self.completions[completion.index] = completion
+            if not self.finished:
+                return None
+            completions = [self.completions[i] for i in range(len(self.child_ids))]
+        else:
+            completions = [completion]
+        return RequestOutput(self.request_id, output.prompt, output.prompt_token_ids, completions,
+                             self.finished, num_cached_tokens=self.num_cached_tokens)
+
+
+class RequestState:
+    """One engine request's front-end state (a child's, for ``n`` > 1)."""
+
+    __slots__ = ("request_id", "parent", "prompt", "prompt_token_ids", "params", "detokenizer", "token_ids",
+                 "text", "logprobs", "cumulative_logprob", "prompt_logprobs", "metrics", "sent_text",
+                 "sent_tokens", "finish_reason", "stop_reason", "num_cached_tokens")
+
+    def __init__(self, request: Request, parent: ParentRequest | None, tokenizer: Any | None):
         params = request.sampling_params
-        self.detokenizer = detokenizer
+        self.request_id = request.request_id
+        self.parent = parent
+        self.prompt = request.prompt
+        self.prompt_token_ids = request.prompt_token_ids
+        self.params = params
+        self.detokenizer = (IncrementalDetokenizer(tokenizer, request.prompt_token_ids, params.skip_special_tokens)
+                            if tokenizer is not None and params.detokenize else None)
+        self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[LogprobsEntry] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
@@ -34,75 +93,140 @@ class RequestTextState:
         # How much of the text and tokens earlier delta outputs carried.
         self.sent_text = 0
         self.sent_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+
+
+class OutputProcessorOutput(NamedTuple):
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]  # engine requests this step stopped (a stop string): the core ends them
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any | None):
+    def __init__(self, tokenizer: Any | None, hooks: ActiveHooks):
         self.tokenizer = tokenizer
-        self.states: dict[str, RequestTextState] = {}
+        self.hooks = hooks
+        self.states: dict[str, RequestState] = {}  # by engine request id
+        self.parents: dict[str, ParentRequest] = {}  # n > 1, by the user's request id
+        # The lifecycle hook's complete outputs are built only when a plugin implements it.
+        self.completed_hook = hooks.hook.request_completed if hooks.hook.request_completed.get_hookimpls() else None
 
-    def add_request(self, request: Request) -> None:
-        params = request.sampling_params
-        detokenizer = (IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
-                       if self.tokenizer is not None and params.detokenize else None)
-        self.states[request.request_id] = RequestTextState(detokenizer, request)
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` names an unfinished user request or engine request."""
+        return request_id in self.states or request_id in self.parents
 
-    def remove_request(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
+    def unfinished_request_ids(self) -> list[str]:
+        """The user's unfinished requests (a parent's id for ``n`` > 1)."""
+        ids = [rid for rid, state in self.states.items() if state.parent is None]
+        return ids + list(self.parents)
 
-    def mark_scheduled(self, request_ids: list[str]) -> None:
-        """Requests scheduled for the first time this step (the metrics' first_scheduled_time)."""
-        now = time.time()
+    def add_request(self, request: Request, engine_requests: list[Request]) -> None:
+        """Track a user's request, run as ``engine_requests`` (itself, or its ``n`` children)."""
+        parent = None
+        if engine_requests[0] is not request:
+            parent = ParentRequest(request.request_id, len(engine_requests), request.sampling_params.output_kind)
+            self.parents[request.request_id] = parent
+        for engine_request in engine_requests:
+            self.states[engine_request.request_id] = RequestState(engine_request, parent, self.tokenizer)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Forget the user's requests (unknown ids pass); returns the engine requests to abort."""
+        to_abort = []
         for request_id in request_ids:
+            parent = self.parents.pop(request_id, None)
+            for child_id in parent.child_ids if parent is not None else [request_id]:
+                state = self.states.pop(child_id, None)
+                if state is None:
+                    continue
+                to_abort.append(child_id)
+                if self.completed_hook is not None:
+                    state.finish_reason = "abort"
+                    self._complete(state)
+        return to_abort
+
+    def process_outputs(self, core_outputs: EngineCoreOutputs) -> OutputProcessorOutput:
+        """Apply one step's outputs; the user-facing outputs and the engine requests to abort."""
+        now = time.time()
+        for request_id in core_outputs.first_scheduled:
             state = self.states.get(request_id)
             if state is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
+        request_outputs, reqs_to_abort = [], []
+        for core_output in core_outputs.outputs:
+            state = self.states.get(core_output.request_id)
+            if state is None:
+                continue  # aborted, or stopped by a stop string, while the step ran
+            if core_output.new_prompt_logprobs is not None:
+                self._add_prompt_logprobs(state, core_output.new_prompt_logprobs)
+            if not core_output.new_token_ids:
+                continue
+            state.num_cached_tokens = core_output.num_cached_tokens
+            if core_output.finish_reason is not None:
+                state.finish_reason, state.stop_reason = core_output.finish_reason, core_output.stop_reason
+            if self._append_token(state, core_output.new_token_ids[0], core_output.new_logprobs, now) \
+                    and core_output.finish_reason is None:
+                reqs_to_abort.append(state.request_id)
+            output = self._make_output(state)
+            parent = state.parent
+            if output is not None and parent is not None:
+                output = parent.add(output)
+            if output is not None:
+                request_outputs.append(output)
+            if state.finish_reason is not None:
+                del self.states[state.request_id]
+                if parent is not None and parent.finished:
+                    del self.parents[parent.request_id]
+                if self.completed_hook is not None:
+                    self._complete(state)
+        return OutputProcessorOutput(request_outputs, reqs_to_abort)
 
-    def add_prompt_logprobs(self, request: Request, entries: list[LogprobsEntry]) -> None:
+    def _add_prompt_logprobs(self, state: RequestState, entries: list[LogprobsEntry]) -> None:
         """A prefill chunk's prompt logprobs (a recomputed chunk after preemption adds nothing)."""
-        state = self.states.get(request.request_id)
-        if state is None or state.prompt_logprobs is None:
+        if state.prompt_logprobs is None:
             return
-        room = request.num_prompt_tokens - len(state.prompt_logprobs)
+        room = len(state.prompt_token_ids) - len(state.prompt_logprobs)
         for entry in entries[:room]:
-            state.prompt_logprobs.append(self._decoded(entry, request))
+            state.prompt_logprobs.append(self._decoded(entry, state))
 
-    def append_token(self, request: Request, logprobs: LogprobsEntry | None) -> str | None:
-        """Detokenize the request's newest token; the stop string its text now ends with, if any."""
-        state = self.states[request.request_id]
-        now = time.time()
-        if state.metrics.first_token_time is None:
-            state.metrics.first_token_time = now
-        state.metrics.last_token_time = now
+    def _append_token(self, state: RequestState, token_id: int, logprobs: list[LogprobsEntry] | None,
+                      now: float) -> bool:
+        """Take a new token and its text; True if the text now ends in a stop string (the
+        request then finishes here, with that string as its stop reason)."""
+        state.token_ids.append(token_id)
+        metrics = state.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
         if logprobs is not None and state.logprobs is not None:
-            state.logprobs.append(self._decoded(logprobs, request))
-            state.cumulative_logprob += logprobs[request.output_token_ids[-1]].logprob
-        if state.detokenizer is None or request.status is RequestStatus.FINISHED_STOPPED:
-            return None  # no text, or a stop token ended it: a stop token adds no text
+            state.logprobs.append(self._decoded(logprobs[0], state))
+            state.cumulative_logprob += logprobs[0][token_id].logprob
+        if state.detokenizer is None or state.finish_reason == "stop":
+            return False  # no text, or a stop token ended it: a stop token adds no text
         previous_len = len(state.text)
-        state.text += state.detokenizer.add(request.output_token_ids[-1])
-        params = request.sampling_params
-        if not params.stop or len(request.output_token_ids) < params.min_tokens:
-            return None
+        state.text += state.detokenizer.add(token_id)
+        params = state.params
+        if not params.stop or len(state.token_ids) < params.min_tokens:
+            return False
         for stop in params.stop:
             # Only a match that ends in the new text is new; search from just before it.
             index = state.text.find(stop, max(0, previous_len - len(stop) + 1))
             if index != -1:
                 state.text = state.text[: index + len(stop)] if params.include_stop_str_in_output else state.text[:index]
-                return stop
-        return None
+                # It stops, also when its last token had just reached the length limit.
+                state.finish_reason, state.stop_reason = "stop", stop
+                return True
+        return False
 
-    def make_output(self, request: Request) -> RequestOutput | None:
-        """The output this step reports for ``request``, by its ``output_kind``; None for a
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        """The output this step reports, by the request's ``output_kind``; None for a
         final-only request still running."""
-        kind = request.sampling_params.output_kind
-        finished = request.is_finished
+        kind = state.params.output_kind
+        finished = state.finish_reason is not None
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        # Runs for every streamed request every step: each attribute is read once.
-        state = self.states[request.request_id]
-        text, output_ids, logprobs = state.text, request.output_token_ids, state.logprobs
-        stops = request.sampling_params.stop
+        text, output_ids, logprobs = state.text, state.token_ids, state.logprobs
+        stops = state.params.stop
         if finished:
             state.metrics.finished_time = time.time()
         # Text that may yet become a stop string waits; the final output has it all.
@@ -112,19 +236,38 @@ class OutputProcessor:
             text, token_ids = text[state.sent_text:ready], output_ids[sent_tokens:]
             logprobs = logprobs[sent_tokens:] if logprobs is not None else None
             state.sent_text, state.sent_tokens = ready, len(output_ids)
-        else:  # the request's own lists go on growing: the output gets copies
+        else:  # the state's own lists go on growing: the output gets copies
             text, token_ids = text[:ready], list(output_ids)
             logprobs = list(logprobs) if logprobs is not None else None
         completion = CompletionOutput(0, text, token_ids, state.cumulative_logprob, logprobs,
-                                      request.status.value if finished else None, request.stop_reason)
-        # The prompt's list is shared, not copied: a request's prompt ids never change (a plugin
-        # replaces them whole), and copying every prompt for every streamed step costs milliseconds.
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion], finished,
-                             state.prompt_logprobs, state.metrics, request.num_cached_tokens or 0)
+                                      state.finish_reason, state.stop_reason)
+        # The prompt's list is shared, not copied: a request's prompt ids never change, and
+        # copying every prompt for every streamed step costs milliseconds.
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
+                             state.prompt_logprobs, state.metrics, state.num_cached_tokens)
 
-    def _decoded(self, entry: LogprobsEntry, request: Request) -> LogprobsEntry:
+    def _complete(self, state: RequestState) -> None:
+        """An engine request has ended: the lifecycle hook gets its user request's complete
+        output once all of it has (for ``n`` > 1, once every child has)."""
+        completion = CompletionOutput(0, state.text, list(state.token_ids), state.cumulative_logprob,
+                                      state.logprobs, state.finish_reason, state.stop_reason)
+        parent = state.parent
+        if parent is None:
+            output = RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], True,
+                                   state.prompt_logprobs, state.metrics, state.num_cached_tokens)
+        else:
+            completion.index = parent.index[state.request_id]
+            parent.final[completion.index] = completion
+            if len(parent.final) < len(parent.child_ids):
+                return
+            output = RequestOutput(parent.request_id, state.prompt, state.prompt_token_ids,
+                                   [parent.final[i] for i in range(len(parent.child_ids))], True,
+                                   metrics=state.metrics, num_cached_tokens=parent.num_cached_tokens)
+        self.completed_hook(output=output, context=self.hooks.context)
+
+    def _decoded(self, entry: LogprobsEntry, state: RequestState) -> LogprobsEntry:
         """Fill in each entry token's text (vLLM's ``decoded_token``) unless text is off."""
-        if self.tokenizer is not None and request.sampling_params.detokenize:
+        if self.tokenizer is not None and state.params.detokenize:
             ids = list(entry)
             for token_id, text in zip(ids, self.tokenizer.batch_decode([[t] for t in ids])):
                 entry[token_id].decoded_token = text

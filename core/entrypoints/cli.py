@@ -7,17 +7,24 @@ import argparse
 import dataclasses
 import json
 import sys
+import textwrap
 from pathlib import Path
 from typing import Sequence
 
 from hookllm import __version__
-from hookllm.engine.arg_utils import EngineArgs
+from hookllm.engine.arg_utils import DefaultsHelpFormatter, EngineArgs
 from hookllm.utils import FlexibleArgumentParser
+
+PLUGINS_WIDTH = 100  # columns `hookllm plugins` fits in
 
 
 def _generate_parser(subparsers: argparse._SubParsersAction, plugin_manager) -> None:
-    p = subparsers.add_parser("generate", help="generate text for one or more prompts",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # Plugins add their flags to a parser of their own, which `generate` takes as a parent:
+    # its dests are the flags' names, whose values reach every request as SamplingParams.extra_args.
+    plugin_parser = argparse.ArgumentParser(add_help=False)
+    plugin_manager.all_plugins.hook.add_cli_options(parser=plugin_parser)
+    p = subparsers.add_parser("generate", help="generate text for one or more prompts", parents=[plugin_parser],
+                              formatter_class=DefaultsHelpFormatter)
     p.add_argument("prompts", nargs="+", metavar="PROMPT", help="a prompt; - reads one from stdin")
     p.add_argument("--image", action="append", default=[], dest="images", metavar="PATH",
                    help="attach an image file (repeatable, in order); an image plugin renders it")
@@ -27,10 +34,7 @@ def _generate_parser(subparsers: argparse._SubParsersAction, plugin_manager) -> 
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
     p.add_argument("--no-chat", action="store_true", help="send prompts raw, without the chat template")
     EngineArgs.add_cli_args(p)
-    core_options = {action.dest for action in p._actions}
-    plugin_manager.all_plugins.hook.add_cli_options(parser=p)
-    # Flags that plugins add reach them per request, as SamplingParams.extra_args.
-    p.set_defaults(plugin_options=[a.dest for a in p._actions if a.dest not in core_options])
+    p.set_defaults(plugin_options=list(vars(plugin_parser.parse_args([]))))
 
 
 def _check_device(device: str) -> None:
@@ -119,15 +123,15 @@ def _run_plugins(args: argparse.Namespace, plugin_manager) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    header = ("NAME", "PACKAGE", "HOOKS", "ARCHITECTURES", "ERROR")
-    table = [header] + [
-        (r["name"], f"{r['distribution']} {r['version']}".strip(), ", ".join(r["hooks"]),
-         ", ".join(r["architectures"]), r["error"] or "")
-        for r in rows
-    ]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for row in table:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    # A block per plugin, its lists wrapped: a table of them would not fit a terminal.
+    for r in rows:
+        package = f"{r['distribution']} {r['version']}".strip()
+        print(f"{r['name']} ({package})" if package else r["name"])
+        for label, value in (("hooks", ", ".join(r["hooks"])), ("architectures", ", ".join(r["architectures"])),
+                             ("error", r["error"])):
+            if value:
+                print(textwrap.fill(value, PLUGINS_WIDTH, initial_indent=f"  {label + ':':<15}",
+                                    subsequent_indent=" " * 17, break_on_hyphens=False))
     return 0
 
 
@@ -136,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     plugin_manager = PluginManager()
     parser = FlexibleArgumentParser(prog="hookllm", description="LLM inference with pluggable models.",
-                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                    formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _generate_parser(subparsers, plugin_manager)

@@ -12,7 +12,7 @@ from hookllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_
 from hookllm.entrypoints.chat import render_chat
 from hookllm.config import EngineConfig
 from hookllm.engine.llm_engine import LLMEngine
-from hookllm.inputs import PromptType as Prompt
+from hookllm.inputs import PromptType
 from hookllm.outputs import RequestOutput
 from hookllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -72,7 +72,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
@@ -128,7 +128,7 @@ class LLM:
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search per prompt (vLLM's offline API): each output's ``sequences`` are the
         ``beam_width`` best beams, best first; beams fork on shared KV blocks."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):

@@ -1,4 +1,4 @@
-"""Linear layers: fused projections (qkv, gate_up) and their tensor-parallel forms.
+"""Tensor-parallel linear layers, including the fused projections (qkv, gate/up).
 
 Parallel layers read this process's rank and size from `hookllm.distributed` when built and
 keep only this rank's shard of each weight. Each has a ``weight_loader`` that takes the FULL
@@ -53,29 +53,6 @@ def _divide(total: int, parts: int, what: str) -> int:
     if total % parts:
         raise ValueError(f"{what}={total} is not divisible by tensor_parallel_size={parts}")
     return total // parts
-
-
-class MergedLinear(nn.Linear):
-    """One weight holding several checkpoint projections stacked on the output dim (single rank).
-
-    ``shard_sizes`` maps a shard name (e.g. ``"q"``, ``"k"``, ``"v"``) to its output rows, in
-    order; ``load_shard`` copies a checkpoint tensor into its rows of ``weight`` or ``bias``.
-    """
-
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False):
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
-        self.shard_offsets: dict[str, tuple[int, int]] = {}
-        start = 0
-        for name, size in shard_sizes.items():
-            self.shard_offsets[name] = (start, size)
-            start += size
-
-    def load_shard(self, param: nn.Parameter, shard: str, loaded: torch.Tensor) -> None:
-        start, size = self.shard_offsets[shard]
-        target = param.data.narrow(0, start, size)
-        if target.shape != loaded.shape:
-            raise ValueError(f"shard {shard!r}: checkpoint shape {tuple(loaded.shape)} != expected {tuple(target.shape)}")
-        target.copy_(loaded)
 
 
 class _ShardedLinear(nn.Module):

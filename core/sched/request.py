@@ -1,4 +1,4 @@
-"""A request's scheduling state, owned by the scheduler from admission to finish."""
+"""A request's scheduling state: built by the input processor, owned by the scheduler from admission to finish."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from hookllm.outputs import CompletionOutput, RequestOutput
 from hookllm.sampling_params import SamplingParams
 
 
@@ -38,8 +37,8 @@ class MultiModalItem:
 
 @dataclass
 class Request:
-    """Built by the engine from the user's prompt, adjusted by ``preprocess_request`` hooks, then
-    changed only by the scheduler (what each step computes, what its sampled tokens did)."""
+    """Built by the input processor from the user's prompt, adjusted by ``preprocess_request``
+    hooks, then changed only by the scheduler (what each step computes, what its sampled tokens did)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -61,7 +60,7 @@ class Request:
         self.num_output_placeholders = 0
         # How many of all_token_ids the model runner has been sent (0: it has not seen the request).
         self.num_synced_tokens = 0
-        # Prompt plus max_tokens, capped by max_model_len: the engine sets it once the prompt is final.
+        # Prompt plus max_tokens, capped by max_model_len: set_length_limit sets it once the prompt is final.
         self.max_num_tokens = sys.maxsize
         self.status = RequestStatus.WAITING
         self.block_ids: list[int] = []
@@ -94,46 +93,19 @@ class Request:
     def is_finished(self) -> bool:
         return self.status in FINISHED_STATUSES
 
+    def set_length_limit(self, max_model_len: int) -> None:
+        """Check the prompt against ``max_model_len`` and set ``max_num_tokens`` (prompt plus
+        ``max_tokens``, capped by ``max_model_len``); ``ValueError`` naming the request if it cannot run."""
+        rid, n = self.request_id, self.num_prompt_tokens
+        if n == 0:
+            raise ValueError(f"request {rid}: the prompt is empty")
+        if n >= max_model_len:
+            raise ValueError(f"request {rid}: the prompt has {n} tokens, max_model_len is {max_model_len} "
+                             "(it must leave room for at least one output token)")
+        max_tokens = self.sampling_params.max_tokens
+        self.max_num_tokens = min(n + max_tokens, max_model_len) if max_tokens is not None else max_model_len
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
-
-class ParallelGroup:
-    """A request with ``n`` > 1, run as ``n`` child requests (``"{i}_{request_id}"``, child ``i``
-    seeded ``seed + i``) that share the prompt's cached KV blocks.
-
-    Reported vLLM's way: with ``final_only`` one ``RequestOutput`` holding the ``n`` completions
-    (``CompletionOutput.index`` = i) once all finish; with ``cumulative`` / ``delta`` each child's
-    progress as its own ``RequestOutput`` under the parent's id, carrying that child's completion
-    only, and ``finished`` set on the output of the last child to finish.
-    """
-
-    def __init__(self, request_id: str, n: int, output_kind: str):
-        self.request_id = request_id
-        self.child_ids = [f"{i}_{request_id}" for i in range(n)]
-        self.index = {child_id: i for i, child_id in enumerate(self.child_ids)}
-        self.output_kind = output_kind
-        self.completions: dict[int, CompletionOutput] = {}
-        self.num_finished = 0
-        self.num_cached_tokens = 0  # the best hit among the children (the first computes the prompt)
-
-    @property
-    def finished(self) -> bool:
-        return self.num_finished == len(self.child_ids)
-
-    def add(self, output: RequestOutput) -> RequestOutput | None:
-        """A child's output in, the parent's output to report (None while a final one is pending)."""
-        completion = output.outputs[0]
-        completion.index = self.index[output.request_id]
-        self.num_finished += output.finished
-        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
-        if self.output_kind == "final_only":
-            self.completions[completion.index] = completion
-            if not self.finished:
-                return None
-            completions = [self.completions[i] for i in range(len(self.child_ids))]
-        else:
-            completions = [completion]
-        return RequestOutput(self.request_id, output.prompt, output.prompt_token_ids, completions,
-                             self.finished, num_cached_tokens=self.num_cached_tokens)

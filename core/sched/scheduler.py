@@ -249,13 +249,6 @@ class Scheduler:
                 self.finish_request(request_id, RequestStatus.FINISHED_LENGTH)
         return updated
 
-    def stop_on_string(self, request: Request, stop: str) -> None:
-        """The request's text reached a stop string (found by the output processor): it stops,
-        also when its last token had just reached the length limit."""
-        self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-        request.status = RequestStatus.FINISHED_STOPPED
-        request.stop_reason = stop
-
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """End a request (stopped, length or aborted) and free its blocks at once; unknown ids pass."""
         request = self.requests.pop(request_id, None)

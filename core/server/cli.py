@@ -17,17 +17,17 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
-from hookllm.engine.arg_utils import EngineArgs
+from hookllm.engine.arg_utils import DefaultsHelpFormatter, EngineArgs
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run an OpenAI-compatible HTTP server",
-                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                  formatter_class=DefaultsHelpFormatter)
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="model folder (same as --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback only by default)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--served-model-name", action="append", dest="served_model_names", metavar="NAME",
                        help="model name(s) clients use (repeatable; default: the model path)")
     serve.add_argument("--api-key", default=os.environ.get("HOOKLLM_API_KEY"),
@@ -36,7 +36,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                        help="let chat image_url parts read file:// URLs inside DIR")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds SIGTERM waits for in-flight requests before aborting them")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn's log level")
     serve.add_argument("--api-server-count", type=int, default=1, metavar="N",
                        help="API server processes sharing the port and one engine process: more than one when "
                             "a single process's event loop cannot keep up with the streams")
@@ -44,7 +45,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
 
     for name, help_ in (("complete", "stream a completion from a running server"),
                         ("chat", "chat with a running server (interactive without a message)")):
-        client = subparsers.add_parser(name, help=help_, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        client = subparsers.add_parser(name, help=help_, formatter_class=DefaultsHelpFormatter)
         client.add_argument("text", nargs="?" if name == "chat" else None, metavar="PROMPT" if name == "complete"
                             else "MESSAGE")
         client.add_argument("--url", default=DEFAULT_URL, help="the server's base URL")
@@ -149,6 +150,8 @@ def _api_server_main(args: argparse.Namespace, config: Any, conn: Any, sock: soc
     from hookllm.utils import name_this_process
 
     name_this_process("hookllm-api")
+    # A SIGTERM while this server still starts (nothing to drain yet) is a clean stop too.
+    signal.signal(signal.SIGTERM, _exit_after_shutdown)
     _serve(args, AsyncLLM(config=config, connection=conn), sock)
 
 

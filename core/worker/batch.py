@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class RequestState:
+class CachedRequestState:
     """What the runner knows of one request (read-only for hooks)."""
 
     request_id: str
@@ -46,9 +46,9 @@ class Batch:
     and ``sampling_positions`` the index each row's sampled token will have in its sequence
     (``num_computed_tokens`` plus the scheduled count), whatever the batch or the chunking."""
 
-    requests: list[RequestState]
+    requests: list[CachedRequestState]
     num_scheduled_tokens: list[int]
-    sampling_requests: list[RequestState]
+    sampling_requests: list[CachedRequestState]
     sampling_positions: list[int]
     generator: torch.Generator  # the engine's generator, for requests without a seed
     previous: "StepOutput | None" = None  # the step still on the device, whose tokens are in flight

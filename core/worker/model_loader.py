@@ -166,15 +166,13 @@ def load_weights_into(
                     weight_loader(*args)
                 except ValueError as exc:
                     raise ValueError(f"checkpoint tensor {ckpt_name}: {exc}") from exc
-            elif shard is None:
+            else:
                 if tuple(param.shape) != loaded_shape(tensor):
                     raise ValueError(
                         f"checkpoint tensor {ckpt_name} has shape {loaded_shape(tensor)}, "
                         f"model expects {tuple(param.shape)}"
                     )
                 param.data.copy_(materialize(tensor))
-            else:
-                owner.load_shard(param, shard, materialize(tensor))
         loaded.add((name, shard))
     missing = sorted(f"{n} [{s}]" if s else n for n, s in expected - loaded)
     problems = []

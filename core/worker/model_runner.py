@@ -1,6 +1,6 @@
 """Turns a SchedulerOutput into flat model inputs, runs the model, and samples.
 
-The runner keeps a :class:`hookllm.worker.batch.RequestState` per request, rebuilt from the snapshots
+The runner keeps a :class:`hookllm.worker.batch.CachedRequestState` per request, rebuilt from the snapshots
 alone: a request's prompt and sampling parameters arrive once, then each step's counts and the
 output tokens it was not sent yet. The per-step path: build inputs on the host in bulk (numpy),
 copy them once, let plugins adjust them (``prepare_inputs``), run the model under the attention
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hookllm.worker.batch import Batch, LogitsJob, RequestState
+from hookllm.worker.batch import Batch, LogitsJob, CachedRequestState
 from hookllm.worker.cuda_graph import CudaGraphRunner
 from hookllm.forward_context import AttentionMetadata, set_forward_context
 from hookllm.outputs import Logprob, LogprobsEntry
@@ -178,7 +178,7 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.cuda_graphs: CudaGraphRunner | None = None  # set by the worker unless enforce_eager
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, CachedRequestState] = {}
         # Penalties, logit bias, allowed tokens, bad words: device state for the requests using them.
         self.logits_adjuster = LogitsAdjuster(device)
         # Requests whose prompt logprobs are not all computed yet.
@@ -190,11 +190,11 @@ class ModelRunner:
         for request_id in scheduler_output.finished_request_ids:
             state = self.requests.pop(request_id, None)
             if state is not None:
-                self.hooks.hook.request_finished(request=state, model=self.model)
+                self.hooks.hook.request_finished(request=state, model=self.model, context=self.hooks.context)
             self.logits_adjuster.remove(request_id)
             self.prompt_logprob_ids.discard(request_id)
         for new in scheduler_output.new_requests:
-            self.requests[new.request_id] = RequestState(
+            self.requests[new.request_id] = CachedRequestState(
                 new.request_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.sampling_params,
                 list(new.mm_items))
             self.logits_adjuster.add(self.requests[new.request_id])
@@ -267,7 +267,7 @@ class ModelRunner:
     def forward(self, batch: Batch, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, ModelInputs]:
         """Build the inputs, let plugins adjust them, run the model: hidden states of every row."""
         inputs = self.build_inputs(batch, scheduler_output)
-        self.hooks.hook.prepare_inputs(batch=batch, inputs=inputs, model=self.model)
+        self.hooks.hook.prepare_inputs(batch=batch, inputs=inputs, model=self.model, context=self.hooks.context)
         graphs = self.cuda_graphs
         if (graphs is not None and inputs.inputs_embeds is None
                 and graphs.can_run(inputs.input_ids.shape[0], len(batch.requests), inputs.max_query_len,
@@ -312,7 +312,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden_states).float()
         # The core's penalties and biases come first: the jobs, process_logits and sample see their result.
         adjusted = self.logits_adjuster.apply(logits, batch)
-        jobs: list[LogitsJob] = self.hooks.hook.start_logits_job(batch=batch)
+        jobs: list[LogitsJob] = self.hooks.hook.start_logits_job(batch=batch, context=self.hooks.context)
         request_ids = [r.request_id for r in batch.sampling_requests]
         if jobs and previous is not None:
             running = self._job_thread().submit(_run_jobs, jobs)
@@ -342,8 +342,8 @@ class ModelRunner:
         """Apply the jobs (already run), then ``process_logits`` and ``sample``."""
         for job in jobs:
             job.apply(logits)
-        self.hooks.hook.process_logits(logits=logits, batch=batch)
-        sampled = self.hooks.hook.sample(logits=logits, batch=batch)
+        self.hooks.hook.process_logits(logits=logits, batch=batch, context=self.hooks.context)
+        sampled = self.hooks.hook.sample(logits=logits, batch=batch, context=self.hooks.context)
         self._check_sampled(sampled, logits.shape[0])
         self.logits_adjuster.record_sampled(adjusted, sampled)
         return self._sampled_tokens(logits, batch, sampled)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hookllm.worker.batch import Batch, RequestState
+from hookllm.worker.batch import Batch, CachedRequestState
 from hookllm.utils import to_device_async
 
 
@@ -35,14 +35,14 @@ class LogitsAdjuster:
         self.device = device
         self.slots: dict[str, int] = {}
         self.free: list[int] = []
-        self.pending: dict[str, RequestState] = {}  # added, but the vocabulary width is not known yet
+        self.pending: dict[str, CachedRequestState] = {}  # added, but the vocabulary width is not known yet
         self.bad_words: dict[str, list[list[int]]] = {}  # multi-token bad words, by request
         self.counts = torch.zeros(0, 0, dtype=torch.int32, device=device)
         self.prompt_mask = torch.zeros(0, 0, dtype=torch.bool, device=device)
         self.bias = torch.zeros(0, 0, dtype=torch.float32, device=device)
         self.penalties = torch.zeros(0, 3, dtype=torch.float32, device=device)  # presence, frequency, repetition
 
-    def add(self, request: RequestState) -> None:
+    def add(self, request: CachedRequestState) -> None:
         """Take a new request if it uses any of this stage's features."""
         if request.sampling_params.needs_logits_processing:
             self.pending[request.request_id] = request
@@ -89,7 +89,7 @@ class LogitsAdjuster:
             ones = torch.ones_like(adjusted.slots, dtype=torch.int32)
             self.counts.index_put_((adjusted.slots, sampled[adjusted.rows]), ones, accumulate=True)
 
-    def _init_slot(self, request: RequestState, vocab_size: int) -> None:
+    def _init_slot(self, request: CachedRequestState, vocab_size: int) -> None:
         if not self.free:
             self._grow(max(4, 2 * self.counts.shape[0]), vocab_size)
         slot = self.free.pop()

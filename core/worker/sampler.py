@@ -20,7 +20,7 @@ import torch
 from hookllm.kernels import ops_for
 from hookllm.kernels.reference import MASK32, absorb
 from hookllm.utils import to_device_async
-from hookllm.worker.batch import RequestState
+from hookllm.worker.batch import CachedRequestState
 
 
 def seeded_row_keys(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
@@ -56,7 +56,7 @@ def apply_top_k_top_p_min_p(
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
-def sample(logits: torch.Tensor, requests: Sequence[RequestState], generator: torch.Generator | None,
+def sample(logits: torch.Tensor, requests: Sequence[CachedRequestState], generator: torch.Generator | None,
            positions: Sequence[int]) -> torch.Tensor:
     """One token id per row of ``logits`` for the matching request in ``requests``; ``positions``
     holds each row's sampled-token index in its sequence (the counter of seeded noise)."""

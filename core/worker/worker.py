@@ -20,7 +20,9 @@ from hookllm.distributed import check_tensor_parallel
 from hookllm.forward_context import AttentionMetadata, set_forward_context
 from hookllm.kernels import get_attention_backend, resolve_attention_backend
 from hookllm.layers.attention import Attention
+from hookllm.worker import default_hooks
 from hookllm.worker.model_runner import ModelRunner, StepOutput
+from hookllm.plugins.context import EngineContext
 from hookllm.plugins.manager import ActiveHooks, PluginManager
 from hookllm.plugins.registry import ModelRegistry
 from hookllm.sched.output import SchedulerOutput
@@ -30,19 +32,21 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_model(config: EngineConfig, plugin_manager: PluginManager) -> tuple[ModelConfig, ActiveHooks]:
-    """The checkpoint's config and the active hooks: the selected plugins, the plugin that
-    serves the checkpoint's architecture, and the core defaults."""
+    """The checkpoint's config and the active hooks, with this engine's context: the selected
+    plugins, the plugin that serves the checkpoint's architecture, and the core defaults."""
     selected = plugin_manager.check_selected(config.plugins)
     device = resolve_device(config.device)
     model_config = ModelConfig.from_path(config.model, resolve_dtype(config.dtype, device), config.max_model_len)
-    owner = plugin_manager.model_owner(model_config.architecture, selected)
+    registry = plugin_manager.registry
+    owner = registry.owner(model_config.architecture, selected)
     model_config.plugin = owner
     model_config.load_format = config.load_format
     if config.tensor_parallel_size > 1:
-        check_tensor_parallel(plugin_manager.registry.resolve(model_config.architecture, owner), model_config.hf_config,
+        check_tensor_parallel(registry.resolve(model_config.architecture, owner), model_config.hf_config,
                               config.tensor_parallel_size, torch.cuda.device_count() if device.type == "cuda" else None)
     active = selected + ([owner] if owner not in selected else [])
-    return model_config, plugin_manager.active_hooks(active)
+    context = EngineContext(config, model_config, registry)
+    return model_config, plugin_manager.active_hooks(active, default_hooks, context)
 
 
 class Worker:
@@ -67,7 +71,8 @@ class Worker:
         # Seconds of each start-up phase, in order (logged; benchmarks/startup.py reports them).
         self.startup_seconds: dict[str, float] = {}
         phase = self._phase_timer()
-        model = hooks.hook.load_model(model_config=model_config, device=self.device, dtype=self.dtype, registry=registry)
+        model = hooks.hook.load_model(model_config=model_config, device=self.device, dtype=self.dtype, registry=registry,
+                                      context=hooks.context)
         if not isinstance(model, nn.Module):
             raise TypeError(f"{hooks.overriding_plugins('load_model')}: load_model must return "
                             f"a torch.nn.Module, got {type(model).__name__}")

@@ -3,7 +3,9 @@
 A request asks with ``SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))``
 (or ``regex=``, ``choice=``, ``grammar=``, ``json_object=True``), or with
 ``extra_args={"structured_outputs": {...}}``; select the plugin with ``--plugin structured`` /
-``LLM(plugins=["structured"])``. Three ordinary hooks do the work:
+``LLM(plugins=["structured"])``. It claims the ``structured_outputs`` parameter
+(``claim_request_parameters``), so a request carrying it without the plugin active is refused
+naming it. Three ordinary hooks do the work:
 
 - ``preprocess_request`` compiles and validates the constraint against the engine's tokenizer
   when the request is added (a bad schema or regex is a ``ValueError`` there) and replaces it,
@@ -15,6 +17,8 @@ A request asks with ``SamplingParams(structured_outputs=StructuredOutputsParams(
   logits in one batched device operation;
 - ``request_finished`` drops the matcher.
 
+Matchers and mask buffers are per engine, in the engine's context (``backend.engine_state``).
+
 llguidance is imported inside the hooks (``hookllm.plugins.structured.backend``), so listing or
 loading the plugin never needs it.
 """
@@ -24,9 +28,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from hookllm.plugins.context import RequestParameters
 from hookllm.plugins.hookspecs import hookimpl
 
 COMPILED_KEY = "_structured_outputs_compiled"  # extra_args key the compiled grammar travels under
+
+
+@hookimpl
+def claim_request_parameters() -> RequestParameters:
+    return RequestParameters(sampling_params=("structured_outputs",))
 
 
 @hookimpl
@@ -49,18 +59,18 @@ def preprocess_request(request: Any, tokenizer: Any, model_config: Any) -> None:
 
 
 @hookimpl
-def start_logits_job(batch: Any) -> Any:
+def start_logits_job(batch: Any, context: Any) -> Any:
     rows = [j for j, r in enumerate(batch.sampling_requests) if COMPILED_KEY in r.sampling_params.extra_args]
     if not rows:
         return None
     from hookllm.plugins.structured import backend
 
-    return backend.MaskJob(batch, rows)
+    return backend.MaskJob(batch, rows, backend.engine_state(context))
 
 
 @hookimpl
-def request_finished(request: Any, model: Any) -> None:
+def request_finished(request: Any, context: Any) -> None:
     if COMPILED_KEY in request.sampling_params.extra_args:
         from hookllm.plugins.structured import backend
 
-        backend.drop(request)
+        backend.drop(backend.engine_state(context), request)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
@@ -15,15 +15,17 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
-from hookllm.worker.batch import Batch, RequestState
+from hookllm.worker.batch import Batch, CachedRequestState
 from hookllm.kernels import ops_for
+from hookllm.plugins import structured
 from hookllm.plugins.structured import COMPILED_KEY
 from hookllm.sampling_params import SamplingParams, StructuredOutputsParams
 from hookllm.utils import to_device_async
 
 logger = logging.getLogger(__name__)
 
-# Building an LLTokenizer walks the whole vocabulary (~0.5 s for 49k tokens): once per tokenizer.
+# Process-wide, as they hold no engine's state: building an LLTokenizer walks the whole
+# vocabulary (~0.5 s for 49k tokens), so once per tokenizer; llguidance's thread pool, once.
 _LL_TOKENIZERS: dict[str, llguidance.LLTokenizer] = {}
 
 
@@ -38,17 +40,30 @@ class CompiledGrammar:
 
 @dataclass
 class _Matcher:
-    state: RequestState  # the runner's object: a different one (a re-added request) starts over
+    state: CachedRequestState  # the runner's object: a different one (a re-added request) starts over
     matcher: llguidance.LLMatcher
     tokenizer: llguidance.LLTokenizer
     consumed: int = 0  # output tokens the matcher has consumed
     error: str | None = None
 
 
-# Matchers by request id, where the model runs; dropped in request_finished.
-_MATCHERS: dict[str, _Matcher] = {}
 _EXECUTOR: llguidance.LLExecutor | None = None
-_BITMASKS: dict[int, torch.Tensor] = {}  # host buffers by mask width (32-bit words)
+
+
+@dataclass
+class EngineState:
+    """The plugin's state in one engine, where the model runs."""
+
+    matchers: dict[str, _Matcher] = field(default_factory=dict)  # by request id; dropped in request_finished
+    bitmasks: dict[int, torch.Tensor] = field(default_factory=dict)  # host buffers by mask width (32-bit words)
+
+
+def engine_state(context: Any) -> EngineState:
+    """This engine's :class:`EngineState`, kept in its context (made on first use)."""
+    namespace = context.state_for(structured.__name__)
+    if not hasattr(namespace, "backend"):
+        namespace.backend = EngineState()
+    return namespace.backend
 
 
 def requested_spec(params: SamplingParams) -> StructuredOutputsParams | None:
@@ -106,7 +121,7 @@ def compile_request(request_id: str, spec: StructuredOutputsParams, tokenizer: A
                     ) -> CompiledGrammar:
     """Compile and validate ``spec`` for the engine's tokenizer; ``ValueError`` naming the request
     and the problem."""
-    from hookllm.engine.llm_engine import eos_token_ids
+    from hookllm.engine.core import eos_token_ids
 
     if tokenizer is None:
         raise ValueError(f"request {request_id}: structured_outputs needs a tokenizer; "
@@ -124,14 +139,14 @@ def compile_request(request_id: str, spec: StructuredOutputsParams, tokenizer: A
     return CompiledGrammar(path, eos, grammar)
 
 
-def _matcher_of(state: RequestState) -> _Matcher:
-    entry = _MATCHERS.get(state.request_id)
+def _matcher_of(engine: EngineState, state: CachedRequestState) -> _Matcher:
+    entry = engine.matchers.get(state.request_id)
     if entry is None or entry.state is not state:
         compiled: CompiledGrammar = state.sampling_params.extra_args[COMPILED_KEY]
         tokenizer = ll_tokenizer(compiled.tokenizer_path, compiled.eos_token_ids)
         # Building a matcher takes ~0.5 ms (llguidance drops the GIL for it).
         entry = _Matcher(state, llguidance.LLMatcher(tokenizer, compiled.grammar), tokenizer)
-        _MATCHERS[state.request_id] = entry
+        engine.matchers[state.request_id] = entry
     return entry
 
 
@@ -185,15 +200,15 @@ def _reason(error: str) -> str:
     return error.strip().splitlines()[0] if error.strip() else "the matcher refused a token"
 
 
-def _bitmask(rows: int, words: int) -> torch.Tensor:
+def _bitmask(engine: EngineState, rows: int, words: int) -> torch.Tensor:
     """A host buffer of ``rows`` masks, reused across steps (pinned on CUDA hosts). Reuse is safe:
     the copy that read it last step finished before that step's tokens were sampled, and this
     step's job waited for those tokens (``in_flight_token_ids``) before filling it."""
-    buffer = _BITMASKS.get(words)
+    buffer = engine.bitmasks.get(words)
     if buffer is None or buffer.shape[0] < rows:
         buffer = llguidance.torch.allocate_token_bitmask(max(rows, 2 * (0 if buffer is None else buffer.shape[0])),
                                                          32 * words)
-        _BITMASKS[words] = buffer
+        engine.bitmasks[words] = buffer
     return buffer[:rows]
 
 
@@ -202,26 +217,27 @@ class MaskJob:
     rows' matchers and fills their bitmasks on the host, off the main thread when a step is in
     flight; ``apply`` masks those rows of the logits."""
 
-    def __init__(self, batch: Batch, rows: list[int]):
+    def __init__(self, batch: Batch, rows: list[int], engine: EngineState):
         self.batch = batch
         self.rows = rows  # the constrained logits rows
+        self.engine = engine
         self.bitmask: torch.Tensor | None = None
 
     def run(self) -> None:
         in_flight = self.batch.in_flight_token_ids()  # waits for the previous step alone
-        entries = [_matcher_of(self.batch.sampling_requests[j]) for j in self.rows]
+        entries = [_matcher_of(self.engine, self.batch.sampling_requests[j]) for j in self.rows]
         _advance(entries, in_flight)
-        self.bitmask = _fill(entries)
+        self.bitmask = _fill(self.engine, entries)
 
     def apply(self, logits: torch.Tensor) -> None:
         apply_bitmask(logits, self.rows, self.bitmask)
 
 
-def _fill(entries: list[_Matcher]) -> torch.Tensor:
+def _fill(engine: EngineState, entries: list[_Matcher]) -> torch.Tensor:
     """The next-token bitmasks of ``entries``' matchers, one row each: EOS only for a stopped or
     failed matcher, else what its grammar allows."""
     tokenizer = entries[0].tokenizer  # an engine's requests share one
-    bitmask = _bitmask(len(entries), (tokenizer.vocab_size + 31) // 32)
+    bitmask = _bitmask(engine, len(entries), (tokenizer.vocab_size + 31) // 32)
     healthy, stopped = [], []
     for k, entry in enumerate(entries):
         if entry.error is not None or entry.matcher.is_stopped():
@@ -253,7 +269,7 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
                                         to_device_async(torch.tensor(rows), device))
 
 
-def drop(state: RequestState) -> None:
-    entry = _MATCHERS.get(state.request_id)
+def drop(engine: EngineState, state: CachedRequestState) -> None:
+    entry = engine.matchers.get(state.request_id)
     if entry is not None and entry.state is state:
-        del _MATCHERS[state.request_id]
+        del engine.matchers[state.request_id]

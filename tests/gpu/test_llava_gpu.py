@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hookllm import LLM, testing
+from hookllm.adapters.llava import encoder_cache
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -70,7 +71,7 @@ def relative_error(ours, theirs):
 
 
 def test_runs_in_bf16_with_triton_attention(llm):
-    worker = llm.engine.worker
+    worker = llm.engine.engine_core.worker
     assert worker.device.type == "cuda" and worker.dtype == torch.bfloat16
     assert worker.attention_backend.__name__.endswith("triton_attention")
 
@@ -78,7 +79,7 @@ def test_runs_in_bf16_with_triton_attention(llm):
 def test_image_features_match_transformers_bf16(llm, small_llava, references):
     pixels = cuda_inputs(small_llava, "<image> <image>", images_for(2, seed=0), torch.bfloat16)["pixel_values"]
     with torch.inference_mode():
-        ours = llm.engine.worker.model.get_image_features(pixels)
+        ours = llm.engine.engine_core.worker.model.get_image_features(pixels)
         theirs = torch.stack(references[0].get_image_features(pixels, output_hidden_states=True).pooler_output)
     assert relative_error(ours, theirs) < 2e-2
 
@@ -112,5 +113,5 @@ def test_first_greedy_tokens_match_transformers_bf16(llm, small_llava, reference
     assert sum(clear) >= len(clear) // 2, "too few prompts with a clear first token"
     firsts = [o.outputs[0].token_ids[0] for o in outputs]
     assert [t for t, c in zip(firsts, clear) if c] == [t for t, c in zip(expected, clear) if c]
-    assert len(llm.engine.worker.model.encoder_cache) == 0
+    assert len(encoder_cache(llm.engine.engine_core.worker.hooks.context)) == 0
     testing.assert_all_blocks_free(llm)

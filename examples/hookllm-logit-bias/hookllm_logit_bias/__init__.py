@@ -8,6 +8,14 @@ and ``GET /v1/logit-bias/token-ids?text=...`` gives the token ids to bias or ban
 """
 
 from hookllm import hookimpl
+from hookllm.plugins.context import RequestParameters
+
+
+@hookimpl
+def claim_request_parameters():
+    # So a request using them while the plugin is not active is refused, not silently ignored
+    # ("banned_token_ids" is claimed as its flag's dest).
+    return RequestParameters(extra_args=("logit_bias",))
 
 
 @hookimpl

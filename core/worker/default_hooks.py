@@ -1,14 +1,22 @@
-"""The core's own hook implementations, registered ``trylast`` so any plugin can override them."""
+"""The core's own hook implementations, handed to the plugin manager by the worker side
+(:func:`hookllm.worker.worker.resolve_model`) and registered ``trylast``, so any plugin
+overrides them. They live here, not in the plugin framework, because they need the engine."""
 
 from __future__ import annotations
 
-from hookllm.worker import sampler
-from hookllm.worker.model_loader import building_on, load_checkpoint
+import torch
+
+from hookllm.config import ModelConfig
 from hookllm.plugins.hookspecs import hookimpl
+from hookllm.plugins.registry import ModelRegistry
+from hookllm.worker import sampler
+from hookllm.worker.batch import Batch
+from hookllm.worker.model_loader import building_on, load_checkpoint
 
 
 @hookimpl(trylast=True)
-def load_model(model_config, device, dtype, registry):
+def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
+               registry: ModelRegistry) -> torch.nn.Module:
     """Build the registered class on the target device and dtype, then load its safetensors
     (only this rank's slices of them under tensor parallelism) or dummy weights."""
     model_cls = registry.resolve(model_config.architecture, model_config.plugin)
@@ -19,5 +27,5 @@ def load_model(model_config, device, dtype, registry):
 
 
 @hookimpl(trylast=True)
-def sample(logits, batch):
+def sample(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
     return sampler.sample(logits, batch.sampling_requests, batch.generator, batch.sampling_positions)

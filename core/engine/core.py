@@ -1,0 +1,200 @@
+"""The engine core: the scheduler and the executor, stepped one batch at a time.
+
+It takes requests that the input processor has already validated and tokenized, and returns per
+step one :class:`EngineCoreOutputs`: for each request that advanced, its new token ids, their
+logprobs, any prompt logprobs, and why it finished. It knows no text: stop strings, detokenizing
+and ``n > 1`` groups are the output processor's, which asks the core to abort what it stopped.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import deque
+from typing import Any, NamedTuple
+
+from hookllm.config import EngineConfig, ModelConfig, resolve_device, text_config_of
+from hookllm.outputs import LogprobsEntry
+from hookllm.plugins.manager import ActiveHooks
+from hookllm.plugins.registry import ModelRegistry
+from hookllm.sampling_params import SamplingParams
+from hookllm.sched.block_manager import BlockManager
+from hookllm.sched.output import SchedulerOutput
+from hookllm.sched.request import Request, RequestStatus
+from hookllm.sched.scheduler import Scheduler, SchedulerStats
+from hookllm.worker.model_runner import StepOutput
+from hookllm.worker.multiproc_executor import MultiprocWorkers
+from hookllm.worker.worker import Worker
+
+
+class EngineCoreOutput(NamedTuple):
+    """What one step did for one request (a tuple underneath: cheap to build and to pickle)."""
+
+    request_id: str
+    new_token_ids: list[int]  # empty for a prefill chunk that sampled nothing
+    new_logprobs: list[LogprobsEntry] | None  # one entry per new token, when logprobs were asked for
+    new_prompt_logprobs: list[LogprobsEntry] | None  # this step's prompt chunk, when asked for
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    stop_reason: int | None  # the stop token id that ended it
+    num_cached_tokens: int  # prompt tokens found in the prefix cache at first admission
+
+
+class EngineCoreOutputs(NamedTuple):
+    outputs: list[EngineCoreOutput]
+    first_scheduled: list[str]  # requests scheduled for the first time in this step
+
+
+NO_OUTPUTS = EngineCoreOutputs([], [])
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer: Any | None) -> set[int]:
+    """EOS ids from config.json (possibly several), generation_config.json and the tokenizer."""
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    sources = [model_config.hf_config, text_config_of(model_config.hf_config)]
+    try:
+        sources.append(GenerationConfig.from_pretrained(model_config.path))
+    except OSError:
+        pass  # the checkpoint has no generation_config.json
+    if tokenizer is not None:
+        sources.append(tokenizer)
+    for source in sources:
+        eos = getattr(source, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    return ids
+
+
+class EngineCore:
+    """The scheduler, the KV blocks and the worker (or the rank processes) of one engine."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, hooks: ActiveHooks,
+                 registry: ModelRegistry, tokenizer: Any | None):
+        # One rank: the worker lives here. Several: one process per rank, fed the same snapshots.
+        self.worker = (Worker(config, model_config, hooks, registry)
+                       if config.tensor_parallel_size == 1 else MultiprocWorkers(config))
+        self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   eos_token_ids(model_config, tokenizer), config.preemption_mode,
+                                   self.worker.num_host_blocks)
+        # Launched steps whose tokens are not read yet: at most one more than max_in_flight.
+        self.in_flight: deque[tuple[SchedulerOutput, StepOutput]] = deque()
+        async_scheduling = config.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = resolve_device(config.device).type == "cuda"
+        self.max_in_flight = 1 if async_scheduling else 0
+        # What exists now (model, tokenizer, plugins) lives as long as the engine: move it out of
+        # the garbage collector's sight, or each full collection walks it all, mid-step.
+        gc.collect()
+        gc.freeze()
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.scheduler.eos_token_ids
+
+    def add_requests(self, request_id: str, requests: list[Request]) -> None:
+        """Queue the engine requests of the user's request ``request_id``: itself, or its ``n``
+        children, which share the prompt's cached blocks. ``ValueError`` if together they could
+        never fit in the cache."""
+        manager = self.block_manager
+        first = requests[0]
+        shared = (first.num_prompt_tokens // manager.block_size
+                  if len(requests) > 1 and manager.enable_prefix_caching else 0)
+        needed = shared + sum(manager.blocks_needed(r.max_num_tokens) - shared for r in requests)
+        if needed > manager.num_blocks:
+            what = (f"prompt plus max_tokens ({first.max_num_tokens} tokens)" if len(requests) == 1 else
+                    f"n={len(requests)} completions of up to {first.max_num_tokens} tokens")
+            raise ValueError(f"request {request_id}: {what} needs {needed} KV blocks, but the cache has only "
+                             f"{manager.num_blocks} blocks of {manager.block_size}")
+        for request in requests:
+            self.scheduler.add(request)
+
+    def retain_blocks(self, request_id: str) -> None:
+        """Keep the request's KV blocks once it finishes, for ``fork_request``, until ``release_request``."""
+        self.scheduler.requests[request_id].retain_blocks = True
+
+    def fork_request(self, parent_id: str, request_id: str, token_ids: list[int], params: SamplingParams,
+                     max_model_len: int) -> Request:
+        """Queue a request continuing the computed tokens of ``parent_id`` (finished, its blocks
+        retained) with ``token_ids``, sharing the parent's KV blocks; returns it."""
+        parent = self.scheduler.retained[parent_id]
+        child = Request(request_id, parent.all_token_ids[:parent.num_computed_tokens] + list(token_ids), params,
+                        multi_modal_data=parent.multi_modal_data, mm_items=parent.mm_items,
+                        cache_salt=parent.cache_salt)
+        child.retain_blocks = parent.retain_blocks
+        child.set_length_limit(max_model_len)
+        self.scheduler.fork(parent_id, child)
+        return child
+
+    def release_request(self, request_id: str) -> None:
+        """Free the KV blocks a finished request kept for forks; unknown ids pass."""
+        self.scheduler.release(request_id)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """End requests now and free their blocks; unknown or finished ids pass."""
+        for request_id in request_ids:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self._release_finished_if_idle()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.in_flight)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while requests hold KV blocks."""
+        if self.has_unfinished_requests() or self.scheduler.retained:
+            return False
+        self.block_manager.reset_prefix_cache()
+        return True
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule and launch one batch; return what the last finished step produced.
+
+        With async scheduling that is the previous batch: its tokens are read back while the
+        device runs this one, so host work overlaps the device's.
+        """
+        batch = self.scheduler.schedule()
+        previous = self.in_flight[-1][1] if self.in_flight else None
+        # A step may only swap out (its one request could not grow): the worker still copies.
+        needs_worker = not batch.is_empty() or batch.finished_request_ids or batch.swap_out
+        result = self.worker.execute(batch, previous) if needs_worker else None
+        if result is not None:
+            self.in_flight.append((batch, result))
+        outputs = NO_OUTPUTS
+        if len(self.in_flight) > self.max_in_flight or (result is None and self.in_flight):
+            outputs = self._update(*self.in_flight.popleft())
+        self._release_finished_if_idle()
+        return outputs
+
+    def _update(self, batch: SchedulerOutput, result: StepOutput) -> EngineCoreOutputs:
+        """A finished step: the scheduler takes its tokens; each request that advanced reports."""
+        token_ids, logprobs = result.resolve()
+        prompt_logprobs = result.prompt_logprobs()
+        outputs = []
+        for request, row in self.scheduler.update_from_output(batch, token_ids):
+            entry = logprobs[row]
+            outputs.append(EngineCoreOutput(
+                request.request_id, [request.output_token_ids[-1]], None if entry is None else [entry],
+                prompt_logprobs.pop(request.request_id, None), request.status.value if request.is_finished else None,
+                request.stop_reason, request.num_cached_tokens or 0))
+        # Prefill chunks that sampled nothing still carry their prompt logprobs.
+        for request_id, entries in prompt_logprobs.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                outputs.append(EngineCoreOutput(request_id, [], None, entries, None, None,
+                                                request.num_cached_tokens or 0))
+        return EngineCoreOutputs(outputs, [new.request_id for new in batch.new_requests])
+
+    def _release_finished_if_idle(self) -> None:
+        """Finished requests reach the worker with the next batch; with none coming, send them now
+        (plugins free what they keep per request in ``request_finished``)."""
+        if self.scheduler.finished_request_ids and not self.in_flight and not self.scheduler.has_unfinished():
+            self.worker.execute(SchedulerOutput.empty(self.scheduler.finished_request_ids))
+            self.scheduler.finished_request_ids = []
+
+    def shutdown(self) -> None:
+        """Abort every request and stop the worker (its processes under tensor parallelism)."""
+        self.abort_requests(list(self.scheduler.requests))
+        self.in_flight.clear()
+        self.worker.shutdown()

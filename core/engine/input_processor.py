@@ -1,0 +1,121 @@
+"""Input processing: a prompt and its parameters in, engine requests out.
+
+Validation, tokenization, the plugins' ``preprocess_request`` hooks, the rule that every
+parameter an active plugin must handle is claimed by one, the length limits, and the fan-out of
+``n > 1`` into child requests. Bad input raises ``ValueError`` naming the request, and nothing
+of it reaches the engine core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any
+
+from hookllm.config import EngineConfig, ModelConfig, text_config_of
+from hookllm.inputs import PromptType
+from hookllm.plugins.manager import ActiveHooks
+from hookllm.sampling_params import SamplingParams
+from hookllm.sched.request import Request
+
+PROMPT_FIELDS = frozenset(("prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"))
+
+
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's ``n`` completions (vLLM's ``"{i}_{request_id}"``)."""
+    return [f"{i}_{request_id}" for i in range(n)]
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer: Any | None, hooks: ActiveHooks):
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.hooks = hooks
+        self.vocab_size: int | None = getattr(text_config_of(model_config.hf_config), "vocab_size", None)
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None) -> Request:
+        """The request for ``prompt``: tokenized, preprocessed by the plugins, its limits checked."""
+        if not isinstance(request_id, str):
+            raise TypeError(
+                f"add_request takes (request_id, prompt, params) in vLLM's order; the request id must be "
+                f"a str, got {type(request_id).__name__}"
+            )
+        if isinstance(prompt, SamplingParams) or not isinstance(params, (SamplingParams, type(None))):
+            raise TypeError("add_request takes (request_id, prompt, params) in vLLM's order, "
+                            f"got a {type(prompt).__name__} as the prompt and a {type(params).__name__} as params")
+        request = self._make_request(request_id, prompt, self._resolve_params(request_id, params or SamplingParams()))
+        self.hooks.hook.preprocess_request(request=request, tokenizer=self.tokenizer, model_config=self.model_config,
+                                           context=self.hooks.context)
+        self.hooks.check_claimed(request)
+        request.set_length_limit(self.model_config.max_model_len)
+        return request
+
+    def fan_out(self, request: Request) -> list[Request]:
+        """The requests to queue: ``request`` itself, or its ``n`` children, child ``i`` seeded
+        ``seed + i`` (the same ``n`` completions alone or in any batch)."""
+        params = request.sampling_params
+        if params.n == 1:
+            return [request]
+        children = []
+        for i, child_id in enumerate(child_request_ids(request.request_id, params.n)):
+            child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            child = Request(child_id, request.prompt_token_ids, child_params, request.prompt,
+                            request.multi_modal_data, request.mm_items, request.cache_salt)
+            child.max_num_tokens = request.max_num_tokens
+            children.append(child)
+        return children
+
+    def _resolve_params(self, request_id: str, params: SamplingParams) -> SamplingParams:
+        """Resolve what needs the tokenizer (bad words' tokens). Returns the request's own copy
+        when it changes anything: the user's object is never changed."""
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise ValueError(f"request {request_id}: bad_words needs a tokenizer; {self.config.model} has none")
+        params = params.clone()
+        spellings: list[list[int]] = []
+        for word in params.bad_words:
+            # A word inside text usually follows a space: ban both spellings (as vLLM does).
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in spellings:
+                    spellings.append(ids)
+        params.bad_words_token_ids = spellings
+        return params
+
+    def _make_request(self, request_id: str, prompt: Any, params: SamplingParams) -> Request:
+        if isinstance(prompt, str):
+            prompt = {"prompt": prompt}
+        elif isinstance(prompt, (list, tuple)):
+            prompt = {"prompt_token_ids": list(prompt)}
+        if not isinstance(prompt, dict):
+            raise ValueError(f"request {request_id}: a prompt is a string, a list of token ids or a dict, got "
+                             f"{type(prompt).__name__}")
+        unknown = set(prompt) - PROMPT_FIELDS
+        if unknown:
+            raise ValueError(f"request {request_id}: unknown prompt fields {sorted(unknown)}")
+        text = prompt.get("prompt")
+        token_ids = prompt.get("prompt_token_ids")
+        if token_ids is None:
+            if text is None:
+                raise ValueError(f"request {request_id}: give 'prompt' or 'prompt_token_ids'")
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"request {request_id}: {self.config.model} has no tokenizer files; pass prompt_token_ids"
+                )
+            token_ids = self.tokenizer(text)["input_ids"] if text else []
+        elif not isinstance(token_ids, (list, tuple)):
+            raise ValueError(f"request {request_id}: prompt_token_ids must be a list of ints, "
+                             f"got {type(token_ids).__name__}")
+        # Never coerced: 1.5, "3", None or True in a prompt is a bug in the caller.
+        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if bad:
+            raise ValueError(f"request {request_id}: prompt_token_ids must be ints, got {bad[0]!r}")
+        token_ids = [int(t) for t in token_ids]
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]  # vLLM keeps the prompt's end
+        if self.vocab_size is not None and any(t < 0 or t >= self.vocab_size for t in token_ids):
+            raise ValueError(f"request {request_id}: prompt token ids must be in [0, {self.vocab_size})")
+        return Request(request_id, token_ids, params, prompt=text,
+                       multi_modal_data=prompt.get("multi_modal_data"), cache_salt=prompt.get("cache_salt"))

@@ -1,0 +1,60 @@
+"""The small routes: ``/health``, ``/version``, ``/metrics``, ``/v1/models``, ``/tokenize`` and ``/detokenize``."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from hookllm.server.errors import OpenAIError
+from hookllm.server.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                                     TokenizeResponse)
+from hookllm.server.state import server_state
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    return Response(status_code=200 if server_state(request).engine.is_running else 503)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": metadata.version("hookllm")}
+
+
+@router.get("/metrics")
+async def show_metrics(request: Request) -> Response:
+    return Response(server_state(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.get("/v1/models")
+async def show_available_models(request: Request) -> ModelList:
+    state = server_state(request)
+    return ModelList(data=[ModelCard(id=name, root=state.engine.config.model, max_model_len=state.max_model_len)
+                           for name in state.settings.served_model_names])
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    state = server_state(request)
+    state.model_name(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise OpenAIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+    if body.messages is not None:
+        tokens = (await state.render_chat(body, add_generation_prompt=body.add_generation_prompt))["prompt_token_ids"]
+    else:
+        tokens = await state.engine.tokenize(body.prompt, body.add_special_tokens)
+    return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=state.max_model_len)
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    state = server_state(request)
+    state.model_name(body.model)
+    try:
+        return DetokenizeResponse(prompt=await state.engine.detokenize(body.tokens))
+    except Exception as exc:  # noqa: BLE001 - the tokenizer's error for ids it does not know
+        raise OpenAIError(400, f"cannot detokenize: {exc}", param="tokens") from None

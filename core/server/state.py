@@ -1,0 +1,103 @@
+"""The server's state, one per app: the engine, the settings and the metrics, with the request
+handling the routes share (the model name, chat rendering, starting requests), and the
+body's sampling parameters. Routes reach the state through ``server_state(request)``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+from urllib.parse import unquote, urlparse
+
+from fastapi import Request
+
+from hookllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError
+from hookllm.outputs import RequestOutput
+from hookllm.sampling_params import SamplingParams
+from hookllm.server.errors import OpenAIError, engine_error
+from hookllm.server.metrics import ServerMetrics
+from hookllm.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from hookllm.server.streaming import start_streams, tracked
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    api_key: str | None = None
+    allowed_local_media_path: Path | None = None
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLM
+    settings: ServerSettings
+    metrics: ServerMetrics
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.model_config.max_model_len
+
+    def model_name(self, requested: str | None) -> str:
+        """The name a response reports: the first served name, unless the request names another one."""
+        names = self.settings.served_model_names
+        if requested is None or requested in names:
+            return names[0]
+        raise OpenAIError(404, f"the model {requested!r} does not exist; served: {', '.join(names)}",
+                          "NotFoundError", "model", "model_not_found")
+
+    async def start(self, prompts: list[Any], params: SamplingParams,
+                    base_id: str) -> list[AsyncIterator[RequestOutput]]:
+        """One engine request per prompt (``{base_id}-{index}``), each past its first output."""
+        gens = [tracked(self.engine, self.metrics, prompt, params, f"{base_id}-{i}")
+                for i, prompt in enumerate(prompts)]
+        try:
+            return await start_streams(gens)
+        except (ValueError, EngineStepError, EngineDeadError) as exc:
+            raise engine_error(exc) from None
+
+    async def render_chat(self, body: ChatCompletionRequest | TokenizeRequest, **kwargs: Any) -> dict[str, Any]:
+        """``body.messages`` through the model's chat template (``kwargs``: ``engine.render_chat``'s)."""
+        try:
+            return await self.engine.render_chat(self._conversation(body), **kwargs)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param="messages") from None
+
+    def _conversation(self, body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, Any]]:
+        messages = [message.model_dump(exclude_none=True) for message in body.messages or []]
+        for message in messages:
+            for part in message.get("content") if isinstance(message.get("content"), list) else []:
+                if part["type"] == "image_url":
+                    part["image_url"]["url"] = self._local_media(part["image_url"]["url"])
+        return messages
+
+    def _local_media(self, url: str) -> str:
+        """An ``image_url`` as the image plugin reads it: data URLs as they are, ``file://`` URLs
+        as a path, only inside ``--allowed-local-media-path``; nothing else is fetched."""
+        if url.startswith("data:"):
+            return url
+        parsed = urlparse(url)
+        if parsed.scheme != "file":
+            raise OpenAIError(400, "image_url must be a base64 data: URL (or a file:// URL under the server's "
+                              "--allowed-local-media-path)", param="messages")
+        root = self.settings.allowed_local_media_path
+        if root is None:
+            raise OpenAIError(400, "file:// image URLs are refused: the server has no --allowed-local-media-path",
+                              param="messages")
+        path = Path(unquote(parsed.path)).resolve()
+        if not path.is_relative_to(root):
+            raise OpenAIError(400, f"file:// image URLs must point inside {root}", param="messages")
+        return str(path)
+
+
+def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                    logprobs: int | None) -> SamplingParams:
+    """The body's ``SamplingParams``; a value they refuse is a 400 naming the body's field."""
+    try:
+        return body.sampling_params(max_tokens, logprobs)
+    except ValueError as exc:
+        param = str(exc).split(" ", 1)[0].rstrip(":")
+        raise OpenAIError(400, str(exc), param=param if param in type(body).model_fields else None) from None
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server

@@ -1,0 +1,173 @@
+"""Running a response's requests on the engine: start them, merge their outputs, gather them or
+stream them as server-sent events, and abort them when the client goes away.
+
+A client that disconnects has its requests aborted at once: streaming, Starlette cancels the
+response; otherwise ``until_disconnect`` cancels the handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from hookllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError
+from hookllm.outputs import RequestOutput
+from hookllm.sampling_params import SamplingParams
+from hookllm.server.errors import engine_error
+from hookllm.server.metrics import RequestTimer, ServerMetrics
+from hookllm.server.protocol import ErrorInfo, ErrorResponse
+
+
+async def tracked(engine: AsyncLLM, metrics: ServerMetrics, prompt: Any, params: SamplingParams,
+                  request_id: str) -> AsyncIterator[RequestOutput]:
+    """``engine.generate`` with its metrics recorded (tokens, TTFT, TPOT, finish reason)."""
+    timer: RequestTimer | None = None
+    reason = "abort"
+    try:
+        async for output in engine.generate(prompt, params, request_id):
+            if timer is None:
+                timer = RequestTimer(metrics, len(output.prompt_token_ids))
+            timer.tokens(len(output.outputs[0].token_ids))
+            if output.finished:
+                reason = output.outputs[0].finish_reason or "stop"
+            yield output
+    except EngineStepError:
+        reason = "error"
+        raise
+    finally:
+        if timer is not None or reason == "error":
+            metrics.request_finished(reason)
+
+
+async def start_streams(gens: list[AsyncIterator[RequestOutput]]) -> list[AsyncIterator[RequestOutput]]:
+    """Wait for each request's first output, so bad input (or a failed first step) is still an
+    HTTP status and not an error inside a 200 stream; on failure every request is aborted."""
+    tasks = [asyncio.ensure_future(anext(gen)) for gen in gens]
+    try:
+        firsts = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for gen in gens:
+            await gen.aclose()
+        raise
+
+    async def resumed(first: RequestOutput, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        try:
+            yield first
+            async for output in gen:
+                yield output
+        finally:
+            await gen.aclose()
+
+    return [resumed(first, gen) for first, gen in zip(firsts, gens)]
+
+
+async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the request's index."""
+    if len(gens) == 1:  # the usual case: no pump task and queue to pass through per output
+        async with contextlib.aclosing(gens[0]) as gen:
+            async for output in gen:
+                yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with contextlib.aclosing(gen):
+                async for output in gen:
+                    queue.put_nowait((index, output))
+            queue.put_nowait((index, None))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
+    try:
+        remaining = len(gens)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class Result:
+    """One request's outputs gathered: what a non-streamed response reports."""
+
+    prompt: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        completion = output.outputs[0]
+        if output.prompt_token_ids:
+            self.prompt, self.prompt_token_ids = output.prompt, output.prompt_token_ids
+        self.text += completion.text
+        self.token_ids += completion.token_ids
+        self.logprobs += completion.logprobs or []
+        self.finish_reason = completion.finish_reason
+
+
+async def gather(gens: list[AsyncIterator[RequestOutput]]) -> list[Result]:
+    """Every request's outputs, once all have finished; an engine failure is its HTTP error."""
+    results = [Result() for _ in gens]
+    try:
+        async for index, output in merge(gens):
+            results[index].add(output)
+    except (EngineStepError, EngineDeadError) as exc:
+        raise engine_error(exc) from None
+    return results
+
+
+async def until_disconnect(request: Request, handler: Awaitable[Response]) -> Response:
+    """Run ``handler``; if the client disconnects first, cancel it (which aborts its requests)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(handler)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+    return task.result()
+
+
+def sse(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
+    """Server-sent events: ``data: {json}`` per chunk, an error event if the engine fails later, ``[DONE]``."""
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+        except (EngineStepError, EngineDeadError) as exc:
+            error = engine_error(exc)
+            body = ErrorResponse(error=ErrorInfo(message=error.message, type=error.type, code=error.status))
+            yield f"data: {body.model_dump_json()}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
