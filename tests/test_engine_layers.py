@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import types
 
+import msgspec
 import pytest
 
 from hookllm import EngineConfig, LLMEngine, SamplingParams, hookimpl, testing
@@ -94,4 +95,5 @@ def test_the_engine_core_reports_token_ids_and_why_a_request_finished_and_no_tex
         outputs += engine.engine_core.step().outputs
     assert [len(o.new_token_ids) for o in outputs] == [1, 1, 1]
     assert [o.finish_reason for o in outputs] == [None, None, "length"]
-    assert not any(isinstance(field, str) and field not in ("c", "length") for o in outputs for field in o)
+    fields = [field for o in outputs for field in msgspec.structs.astuple(o)]
+    assert not any(isinstance(field, str) and field not in ("c", "length") for field in fields)

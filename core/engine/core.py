@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import gc
 from collections import deque
-from typing import Any, NamedTuple
+from typing import Any
+
+import msgspec
 
 from hookllm.config import EngineConfig, ModelConfig, resolve_device, text_config_of
 from hookllm.outputs import LogprobsEntry
@@ -26,8 +28,8 @@ from hookllm.worker.multiproc_executor import MultiprocWorkers
 from hookllm.worker.worker import Worker
 
 
-class EngineCoreOutput(NamedTuple):
-    """What one step did for one request (a tuple underneath: cheap to build and to pickle)."""
+class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
+    """What one step did for one request (built for every sampled token: a C struct, cheap to make)."""
 
     request_id: str
     new_token_ids: list[int]  # empty for a prefill chunk that sampled nothing
@@ -38,7 +40,7 @@ class EngineCoreOutput(NamedTuple):
     num_cached_tokens: int  # prompt tokens found in the prefix cache at first admission
 
 
-class EngineCoreOutputs(NamedTuple):
+class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
     outputs: list[EngineCoreOutput]
     first_scheduled: list[str]  # requests scheduled for the first time in this step
 
