@@ -184,7 +184,11 @@ class ActiveHooks:
                  other_adapters: list[Any]):
         self.pm = pm
         self.context = context
-        self.installed = installed
+        # What check_claimed reads for every request, worked out once per engine.
+        self.loaded = [info for info in installed.values() if info.module is not None]
+        self.active_names = frozenset(name for name, _ in pm.list_name_plugin())
+        self.checked_fields = tuple(dict.fromkeys(
+            [*PLUGIN_FIELDS, *(name for info in self.loaded for name in info.parameters.sampling_params)]))
         self.hook = SimpleNamespace(**{
             name: pm.subset_hook_caller(name, other_adapters) if name in hookspecs.MODEL_SCOPED else caller
             for name, caller in vars(pm.hook).items()})
@@ -206,23 +210,17 @@ class ActiveHooks:
         handles; called once the ``preprocess_request`` hooks have run. See the
         ``claim_request_parameters`` hookspec for the rule."""
         params = request.sampling_params
-        claimed = (name for info in self._loaded() for name in info.parameters.sampling_params)
-        fields = dict.fromkeys([*PLUGIN_FIELDS, *claimed])
-        for name in fields:
+        for name in self.checked_fields:
             if name in params.extra_args or getattr(params, name, None) != getattr(_DEFAULT_PARAMS, name, None):
                 self._refuse(request, name, lambda info: name in info.parameters.sampling_params)
         data = request.multi_modal_data or {}
         taken = {item.modality for item in request.mm_items}
         for modality in sorted(m for m, items in data.items() if items and m not in taken):
             self._refuse(request, f"multi_modal_data {modality!r}", lambda info: modality in info.parameters.modalities)
-        active = set(self.plugin_names)
         for key, value in params.extra_args.items():
-            owners = [info for info in self._loaded() if self._claims_key(info, key, value)]
-            if owners and not any(info.name in active for info in owners):
+            owners = [info for info in self.loaded if self._claims_key(info, key, value)]
+            if owners and not any(info.name in self.active_names for info in owners):
                 self._refuse(request, f"extra_args key {key!r}", lambda info: info in owners)
-
-    def _loaded(self) -> list[PluginInfo]:
-        return [info for info in self.installed.values() if info.module is not None]
 
     @staticmethod
     def _claims_key(info: PluginInfo, key: str, value: Any) -> bool:
@@ -233,12 +231,11 @@ class ActiveHooks:
     def _refuse(self, request: Request, parameter: str, handles: Callable[[PluginInfo], bool]) -> None:
         """``ValueError``: ``parameter`` of ``request`` is left over; names the installed plugins
         that ``handles`` it and why none of them took it."""
-        active = set(self.plugin_names)
         owner = self.context.model_config.plugin
-        handlers = [info for info in self._loaded() if handles(info)]
-        inactive = [info.name for info in handlers if info.name not in active]
+        handlers = [info for info in self.loaded if handles(info)]
+        inactive = [info.name for info in handlers if info.name not in self.active_names]
         hints = [f"plugin {info.name!r} serves only {', '.join(info.architectures)}"
-                 for info in handlers if info.name in active and info.architectures and info.name != owner]
+                 for info in handlers if info.name in self.active_names and info.architectures and info.name != owner]
         if inactive:
             hints.append("select one with " + " / ".join(f"--plugin {name} / LLM(plugins=[{name!r}])"
                                                          for name in inactive))

@@ -52,10 +52,6 @@ class BlockManager:
         """Blocks no request holds (cached ones included: they are evicted on demand)."""
         return len(self.free_block_ids)
 
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return sum(1 for block_id in self.free_block_ids if self.blocks[block_id].hash is not None)
-
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
