@@ -118,6 +118,7 @@ class EngineConfig:
     # Schedule step n+1 while the device runs step n (outputs lag one step).
     async_scheduling: bool | None = _option(None, "schedule the next step while the device runs this one (default: on for CUDA)")
     seed: int = _option(0, "seed of the engine's sampling generator")
+    max_logprobs: int = _option(20, "most logprobs or prompt_logprobs a request may ask for (vLLM's limit)")
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of prompt prefixes already computed (automatic prefix caching)")
     tokenizer: str | None = _option(None, "tokenizer folder (default: the model's)")
     tensor_parallel_size: int = _option(1, "GPUs (one worker process each) the model's layers are split across")
@@ -144,6 +145,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.load_format not in LOAD_FORMATS:

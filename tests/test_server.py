@@ -156,6 +156,9 @@ IMAGE = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAA
     ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "min_tokens": 9, "max_tokens": 2}, 400, "min_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "word " * 600}, 400, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": 2**70}, 400, "max_tokens"),
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": IMAGE}}]}]}, 400, "messages"),
@@ -163,7 +166,8 @@ IMAGE = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAA
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/x.png"}}]}]}, 400, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]}, 400, "messages"),
-], ids=["malformed-json", "wrong-type", "out-of-range", "n", "min-tokens", "too-long", "unknown-model",
+], ids=["malformed-json", "wrong-type", "out-of-range", "n", "min-tokens", "too-long", "max-tokens-past-context",
+        "huge-max-tokens", "unknown-model",
         "image-without-plugin", "http-image", "file-image-not-allowed"])
 def test_bad_request_is_an_openai_error_and_the_server_keeps_serving(server, offline, path, body, status, param):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()

@@ -47,6 +47,35 @@ def test_include_stop_str_in_output_keeps_it(llm, free_run):
     assert llm.generate(PROMPT, params)[0].outputs[0].text == expected
 
 
+def boundary_stop(llm, free_run) -> tuple[str, int, int]:
+    """A stop string from the last character of the 4th token's text to the end of the 5th's
+    (its first occurrence), and where the 4th and the 5th token's texts end."""
+    text, tokens = free_run.text, free_run.token_ids
+    fourth, fifth = (len(llm.tokenizer.decode(tokens[:k], skip_special_tokens=True)) for k in (4, 5))
+    stop = text[fourth - 1:fifth]
+    assert len(stop) >= 2 and text.find(stop) == fourth - 1
+    return stop, fourth, fifth
+
+
+def test_stop_string_ending_in_the_min_tokens_th_token_stops_the_output(llm, free_run):
+    stop, fourth, _ = boundary_stop(llm, free_run)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop], min_tokens=5)
+    out = llm.generate(PROMPT, params)[0].outputs[0]
+    assert out.text == free_run.text[: fourth - 1] and out.finish_reason == "stop"
+
+
+def test_stop_string_ending_before_min_tokens_is_passed_over(llm, free_run):
+    stop, _, fifth = boundary_stop(llm, free_run)
+    # The first occurrence that ends in the 6th token's text or later, if any.
+    later = free_run.text.find(stop, fifth - len(stop) + 1)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop], min_tokens=6)
+    out = llm.generate(PROMPT, params)[0].outputs[0]
+    if later == -1:
+        assert out.text == free_run.text and out.finish_reason == "length"
+    else:
+        assert out.text == free_run.text[:later] and out.finish_reason == "stop"
+
+
 def test_stop_token_id_ends_the_output_on_that_token(llm, free_run):
     stop_id = free_run.token_ids[6]
     first = free_run.token_ids.index(stop_id)

@@ -35,10 +35,10 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"beam_width must be an int >= 1, got {self.beam_width!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 @dataclass
@@ -67,6 +67,9 @@ class _Beam:
 def beam_search(engine: "LLMEngine", prompt: Any, params: BeamSearchParams, ids: "itertools.count[int]") -> BeamSearchOutput:
     """Run one prompt's beam search to the end on ``engine`` (other requests may share the steps)."""
     k = params.beam_width
+    if 2 * k > engine.max_logprobs:
+        raise ValueError(f"beam_width={k} needs the top {2 * k} logprobs of each step, over the limit of "
+                         f"{engine.max_logprobs} (max_logprobs, capped by the vocabulary)")
     step_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * k,
                                  output_kind="final_only")
     eos = set() if params.ignore_eos else engine.eos_token_ids
@@ -75,19 +78,22 @@ def beam_search(engine: "LLMEngine", prompt: Any, params: BeamSearchParams, ids:
     engine.retain_blocks(root)
     beams = [_Beam(root, [], 0.0)]
     prompt_tokens: list[int] = []
+    max_tokens = params.max_tokens  # capped by max_model_len once the prompt's length is known
     finished: list[tuple[float, list[int], float]] = []  # (score, generated tokens, cum_logprob)
     try:
-        for length in range(1, params.max_tokens + 1):
+        for length in itertools.count(1):
             outputs = _run(engine, [b.request_id for b in beams])
             if length == 1:
                 prompt_tokens = list(outputs[root].prompt_token_ids)
+                # As generate does, a beam ends at max_model_len.
+                max_tokens = min(max_tokens, engine.model_config.max_model_len - len(prompt_tokens))
             # Entries may be floats or Logprob-like objects with a .logprob.
             logprobs = {request_id: {token: getattr(lp, "logprob", lp)
                                      for token, lp in output.outputs[0].logprobs[0].items()}
                         for request_id, output in outputs.items()}
             candidates = sorted(((b.cum_logprob + lp, i, token) for i, b in enumerate(beams)
                                  for token, lp in logprobs[b.request_id].items()), key=lambda c: -c[0])[:2 * k]
-            last = length == params.max_tokens
+            last = length == max_tokens
             running: list[tuple[float, int, int]] = []
             for rank, (cum, i, token) in enumerate(candidates):
                 if last or token in eos:

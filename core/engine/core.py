@@ -137,6 +137,11 @@ class EngineCore:
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._release_finished_if_idle()
 
+    def drop_in_flight(self) -> None:
+        """Forget launched steps whose tokens are not read yet (after a failed step: their
+        requests are aborted, and nothing is left to read)."""
+        self.in_flight.clear()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
 

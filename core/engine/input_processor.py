@@ -33,6 +33,9 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.hooks = hooks
         self.vocab_size: int | None = getattr(text_config_of(model_config.hf_config), "vocab_size", None)
+        # The most logprobs a request may ask for: a step cannot return more than the vocabulary.
+        self.max_logprobs = config.max_logprobs if self.vocab_size is None else min(config.max_logprobs,
+                                                                                      self.vocab_size)
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None) -> Request:
         """The request for ``prompt``: tokenized, preprocessed by the plugins, its limits checked."""
@@ -44,7 +47,9 @@ class InputProcessor:
         if isinstance(prompt, SamplingParams) or not isinstance(params, (SamplingParams, type(None))):
             raise TypeError("add_request takes (request_id, prompt, params) in vLLM's order, "
                             f"got a {type(prompt).__name__} as the prompt and a {type(params).__name__} as params")
-        request = self._make_request(request_id, prompt, self._resolve_params(request_id, params or SamplingParams()))
+        params = params or SamplingParams()
+        self._check_logprobs(request_id, params)
+        request = self._make_request(request_id, prompt, self._resolve_params(request_id, params))
         self.hooks.hook.preprocess_request(request=request, tokenizer=self.tokenizer, model_config=self.model_config,
                                            context=self.hooks.context)
         self.hooks.check_claimed(request)
@@ -65,6 +70,14 @@ class InputProcessor:
             child.max_num_tokens = request.max_num_tokens
             children.append(child)
         return children
+
+    def _check_logprobs(self, request_id: str, params: SamplingParams) -> None:
+        """Logprobs beyond ``max_logprobs`` or the vocabulary would fail the whole step: refuse them here."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"request {request_id}: {name}={value} is over the limit of {self.max_logprobs} "
+                                 f"(max_logprobs={self.config.max_logprobs}, vocabulary {self.vocab_size})")
 
     def _resolve_params(self, request_id: str, params: SamplingParams) -> SamplingParams:
         """Resolve what needs the tokenizer (bad words' tokens). Returns the request's own copy

@@ -62,6 +62,11 @@ class LLMEngine:
         """The token ids that end a request unless ``ignore_eos`` is set."""
         return self.engine_core.eos_token_ids
 
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs a request may ask for: ``max_logprobs``, capped by the vocabulary."""
+        return self.input_processor.max_logprobs
+
     def get_tokenizer(self) -> Any | None:
         """The checkpoint's tokenizer (None when the checkpoint has none)."""
         return self.tokenizer
@@ -148,9 +153,18 @@ class LLMEngine:
         """Run one engine-core step; return an output for every request that advanced.
 
         With async scheduling the outputs are those of the previous batch: its tokens are read
-        back while the device runs this one, so host work overlaps the device's.
+        back while the device runs this one, so host work overlaps the device's. If the step
+        raises, every unfinished request has been aborted first (see above).
         """
-        processed = self.output_processor.process_outputs(self.engine_core.step())
+        try:
+            processed = self.output_processor.process_outputs(self.engine_core.step())
+        except Exception:
+            # A failed step (a plugin's hook raised, say) cannot tell which of its requests are
+            # sound: it ends every request the engine holds (aborted, blocks freed), and the
+            # engine serves new requests as before. The caller gets the exception.
+            self.engine_core.drop_in_flight()
+            self.abort_request(self.unfinished_request_ids())
+            raise
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs

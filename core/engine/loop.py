@@ -97,15 +97,15 @@ class EngineLoop:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a plugin's error fails its requests, not the server
             logger.exception("engine step failed")
-            # The engine does not say which requests the failed step held: fail every request it
-            # holds now (those running and any waiting behind them) and free their blocks, as
-            # LLM.generate does; requests added afterwards run normally.
-            # Every client hears of them all (it skips the ids that are not its own).
-            failed_ids = self.engine.unfinished_request_ids()
-            self.engine.abort_request(failed_ids)
-            self._forget(failed_ids)
-            for report in reports.values():
-                report.failed_ids = failed_ids
+            # The engine has aborted every request it held (LLMEngine.step): each client hears
+            # of its own, and requests added afterwards run normally.
+            failed: dict[int, list[str]] = {}
+            for request_id, client in self.owner.items():
+                failed.setdefault(client, []).append(request_id)
+            self.owner.clear()
+            self.head_sent.clear()
+            for client, report in reports.items():
+                report.failed_ids = failed.get(client, [])
                 report.failure = f"the engine step failed: {type(exc).__name__}: {exc}"
             return
         for output in outputs:

@@ -20,6 +20,7 @@ from typing import Any, Iterable, NamedTuple
 
 from hookllm.engine.core import EngineCoreOutputs
 from hookllm.engine.input_processor import child_request_ids
+from hookllm.engine.stop_strings import StopStringAutomaton, StopStringMatcher
 from hookllm.outputs import CompletionOutput, LogprobsEntry, RequestMetrics, RequestOutput
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.sampling_params import RequestOutputKind
@@ -72,9 +73,10 @@ class RequestState:
 
     __slots__ = ("request_id", "parent", "prompt", "prompt_token_ids", "params", "detokenizer", "token_ids",
                  "text", "logprobs", "cumulative_logprob", "prompt_logprobs", "metrics", "sent_text",
-                 "sent_tokens", "finish_reason", "stop_reason", "num_cached_tokens")
+                 "sent_tokens", "finish_reason", "stop_reason", "num_cached_tokens", "stop_matcher")
 
-    def __init__(self, request: Request, parent: ParentRequest | None, tokenizer: Any | None):
+    def __init__(self, request: Request, parent: ParentRequest | None, tokenizer: Any | None,
+                 stop_automaton: StopStringAutomaton | None):
         params = request.sampling_params
         self.request_id = request.request_id
         self.parent = parent
@@ -96,6 +98,9 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        # Where the text stands in the stop strings (None without stop strings or without text).
+        self.stop_matcher = (StopStringMatcher(stop_automaton)
+                             if stop_automaton is not None and self.detokenizer is not None else None)
 
 
 class OutputProcessorOutput(NamedTuple):
@@ -127,8 +132,11 @@ class OutputProcessor:
         if engine_requests[0] is not request:
             parent = ParentRequest(request.request_id, len(engine_requests), request.sampling_params.output_kind)
             self.parents[request.request_id] = parent
+        # Built once per user request: its n children share the stop strings, and so the automaton.
+        stops = request.sampling_params.stop
+        automaton = StopStringAutomaton(stops) if stops and self.tokenizer is not None else None
         for engine_request in engine_requests:
-            self.states[engine_request.request_id] = RequestState(engine_request, parent, self.tokenizer)
+            self.states[engine_request.request_id] = RequestState(engine_request, parent, self.tokenizer, automaton)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Forget the user's requests (unknown ids pass); returns the engine requests to abort."""
@@ -191,8 +199,16 @@ class OutputProcessor:
 
     def _append_token(self, state: RequestState, token_id: int, logprobs: list[LogprobsEntry] | None,
                       now: float) -> bool:
-        """Take a new token and its text; True if the text now ends in a stop string (the
-        request then finishes here, with that string as its stop reason)."""
+        """Take a new token and its text; True if a stop string ends in its text (the request then
+        finishes here, with that string as its stop reason).
+
+        Of the stop strings ending in the token's text, the one ending first wins, and of those
+        ending at the same character the one first in ``stop`` (not simply the first in ``stop``
+        of all that end in the token's text: the text stops where a character-by-character reader
+        would). The text is cut before it (after it with ``include_stop_str_in_output``). Before ``min_tokens`` tokens no stop string is
+        looked for, but their text is still read: a stop string that starts there and ends in
+        the ``min_tokens``-th token's text or later stops the request.
+        """
         state.token_ids.append(token_id)
         metrics = state.metrics
         if metrics.first_token_time is None:
@@ -204,19 +220,21 @@ class OutputProcessor:
         if state.detokenizer is None or state.finish_reason == "stop":
             return False  # no text, or a stop token ended it: a stop token adds no text
         previous_len = len(state.text)
-        state.text += state.detokenizer.add(token_id)
+        new_text = state.detokenizer.add(token_id)
+        state.text += new_text
         params = state.params
-        if not params.stop or len(state.token_ids) < params.min_tokens:
+        if state.stop_matcher is None:
             return False
-        for stop in params.stop:
-            # Only a match that ends in the new text is new; search from just before it.
-            index = state.text.find(stop, max(0, previous_len - len(stop) + 1))
-            if index != -1:
-                state.text = state.text[: index + len(stop)] if params.include_stop_str_in_output else state.text[:index]
-                # It stops, also when its last token had just reached the length limit.
-                state.finish_reason, state.stop_reason = "stop", stop
-                return True
-        return False
+        match = state.stop_matcher.feed(new_text, report=len(state.token_ids) >= params.min_tokens)
+        if match is None:
+            return False
+        index, consumed = match
+        stop = params.stop[index]
+        end = previous_len + consumed
+        state.text = state.text[:end] if params.include_stop_str_in_output else state.text[: end - len(stop)]
+        # It stops, also when its last token had just reached the length limit.
+        state.finish_reason, state.stop_reason = "stop", stop
+        return True
 
     def _make_output(self, state: RequestState) -> RequestOutput | None:
         """The output this step reports, by the request's ``output_kind``; None for a
@@ -226,11 +244,11 @@ class OutputProcessor:
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         text, output_ids, logprobs = state.text, state.token_ids, state.logprobs
-        stops = state.params.stop
         if finished:
             state.metrics.finished_time = time.time()
         # Text that may yet become a stop string waits; the final output has it all.
-        ready = len(text) - _stop_prefix_len(text, stops) if stops and not finished else len(text)
+        matcher = state.stop_matcher
+        ready = len(text) - matcher.holdback if matcher is not None and not finished else len(text)
         if kind is RequestOutputKind.DELTA:
             sent_tokens = state.sent_tokens
             text, token_ids = text[state.sent_text:ready], output_ids[sent_tokens:]
@@ -272,14 +290,3 @@ class OutputProcessor:
             for token_id, text in zip(ids, self.tokenizer.batch_decode([[t] for t in ids])):
                 entry[token_id].decoded_token = text
         return entry
-
-
-def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """The longest end of ``text`` that is the start of a stop string (0 without stop strings)."""
-    longest = 0
-    for stop in stops:
-        for length in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:length]):
-                longest = length
-                break
-    return longest

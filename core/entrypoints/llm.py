@@ -92,6 +92,9 @@ class LLM:
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        for i, params in enumerate(sampling_params):
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}")
         request_ids: list[str] = []
         try:
             for prompt, params in zip(prompts, sampling_params):

@@ -2,20 +2,45 @@
 
 Blocks are reference counted, so requests can share them: a prefix-cache hit or a fork
 (beam search) adds a reference instead of a copy. A full block whose tokens are computed gets
-a content hash (its parent block's hash, its token ids, the content hashes of the images whose
-placeholder rows fall in it, and the request's ``cache_salt``); freed, it stays findable by that
-hash until it is reused, least recently freed first. Only a block held by one request is ever
-written: a request about to write into a block it shares (the partial last block of a fork)
-gets a private copy first (copy-on-write), which the worker makes before the step's forward.
+a SHA-256 content hash (of its parent block's hash, its token ids, the content hashes of the
+images whose placeholder rows fall in it, and the request's ``cache_salt``); freed, it stays
+findable by that hash until it is reused, least recently freed first. Only a block held by one
+request is ever written: a request about to write into a block it shares (the partial last block
+of a fork) gets a private copy first (copy-on-write), which the worker makes before the step's
+forward.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 
 from hookllm.sched.request import Request
+
+
+def _string(text: str) -> bytes:
+    """UTF-8 behind its byte length, so where a string ends is never ambiguous."""
+    data = text.encode()
+    return struct.pack("<Q", len(data)) + data
+
+
+def _root_hash(cache_salt: str | None) -> bytes:
+    """What a request's first block chains from: requests with different salts share no block."""
+    return hashlib.sha256(b"\x00" if cache_salt is None else b"\x01" + _string(cache_salt)).digest()
+
+
+def _block_hash(parent: bytes, token_ids: Sequence[int], images: list[tuple[str, int]]) -> bytes:
+    # Fixed-width, count-prefixed fields and a kind byte no root message starts with: two different
+    # blocks never encode alike, so equal digests mean equal content short of a SHA-256 collision.
+    n = len(token_ids)
+    message = b"\x02" + parent + struct.pack(f"<Q{n}qQ", n, *token_ids, len(images))
+    for content_hash, offset in images:
+        message += _string(content_hash) + struct.pack("<q", offset)
+    return hashlib.sha256(message).digest()
 
 
 class Block:
@@ -24,7 +49,7 @@ class Block:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: int | None = None  # set while the block is findable in the prefix cache
+        self.hash: bytes | None = None  # set while the block is findable in the prefix cache
 
 
 class BlockManager:
@@ -35,7 +60,7 @@ class BlockManager:
         # Blocks no request holds, least recently freed first: a cached one among them is evicted
         # (loses its hash) only when it is taken for new tokens.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
         # (source, destination) block pairs the worker must copy before the next step runs.
         self.pending_copies: list[tuple[int, int]] = []
         # Each request holding blocks owns a row mirroring its block_ids, so a step's block
@@ -57,18 +82,26 @@ class BlockManager:
 
     # -- prefix cache -------------------------------------------------------------------------
 
-    def block_hashes(self, request: Request, num_blocks: int) -> list[int]:
-        """The hashes of the request's first ``num_blocks`` full blocks (extended lazily)."""
+    def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The SHA-256 digests of the request's first ``num_blocks`` full blocks (extended lazily).
+
+        Block i's digest is sha256 of: byte 0x02, block i-1's digest (for block 0, the root:
+        sha256 of byte 0x00 without a cache salt, or of byte 0x01 and the salt), the token count
+        and the token ids, the count of images whose placeholder rows overlap the block, and for
+        each, in ``mm_items`` order, its ``content_hash`` and its offset from the block's start
+        (negative if it began in an earlier block). Integers are little-endian 8-byte (counts
+        unsigned, token ids and offsets signed); a string is its UTF-8 byte length, then the bytes.
+        """
         hashes, size = request.block_hashes, self.block_size
         tokens = request.all_token_ids
         while len(hashes) < num_blocks:
             i = len(hashes)
             start, end = i * size, (i + 1) * size
             # Image rows share one placeholder id: the image's content hash tells them apart.
-            images = tuple((item.content_hash, item.offset - start) for item in request.mm_items
-                           if item.offset < end and item.offset + item.length > start)
-            parent = hashes[-1] if hashes else ("salt", request.cache_salt)
-            hashes.append(hash((parent, tuple(tokens[start:end]), images)))
+            images = [(item.content_hash, item.offset - start) for item in request.mm_items
+                      if item.offset < end and item.offset + item.length > start]
+            parent = hashes[-1] if hashes else _root_hash(request.cache_salt)
+            hashes.append(_block_hash(parent, tokens[start:end], images))
         return hashes[:num_blocks]
 
     def find_cached_prefix(self, request: Request) -> list[int]:

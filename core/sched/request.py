@@ -67,9 +67,9 @@ class Request:
         self.block_table_row: int | None = None  # its row in BlockManager.table while it holds blocks
         self.host_block_ids: list[int] = []  # while swapped: where its blocks' K/V wait, in order
         self.stop_reason: int | str | None = None
-        # Prefix caching: hashes of the full blocks of all_token_ids (filled lazily by the block
-        # manager), how many of the held blocks it made findable, and the first admission's hit.
-        self.block_hashes: list[int] = []
+        # Prefix caching: SHA-256 digests of the full blocks of all_token_ids (filled lazily by the
+        # block manager), how many of the held blocks it made findable, and the first admission's hit.
+        self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
         self.num_cached_tokens: int | None = None
         # Keep the blocks after finishing, for forks (beam search), until Scheduler.release.

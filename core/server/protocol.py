@@ -10,9 +10,16 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hookllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+# What the server accepts in ``stop`` (more is a 400 naming it). OpenAI takes 4 stop strings,
+# vLLM any number; 64 of at most 1,000 characters bound what one request's stop-string automaton
+# costs to build and hold (linear in their total length). The offline LLM API has no such limit:
+# its caller pays for its own stop strings, and their number never slows the text's search.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1000
 
 
 class OpenAIModel(BaseModel):
@@ -60,6 +67,17 @@ class SamplingFields(OpenAIModel):
     # OpenAI's JSON mode / structured outputs, and vLLM's body field; the structured plugin enforces them.
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def stop_is_bounded(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+        longest = max(map(len, strings), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, got {longest}")
+        return stop
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """``response_format`` or ``structured_outputs`` as SamplingParams' field (ValueError: a 400)."""

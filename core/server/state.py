@@ -47,13 +47,31 @@ class ServerState:
 
     async def start(self, prompts: list[Any], params: SamplingParams,
                     base_id: str) -> list[AsyncIterator[RequestOutput]]:
-        """One engine request per prompt (``{base_id}-{index}``), each past its first output."""
+        """One engine request per prompt (``{base_id}-{index}``), each past its first output.
+
+        A prompt and ``max_tokens`` that together exceed ``max_model_len`` are a 400 here, as in
+        vLLM's server (the offline API caps ``max_tokens`` instead). Text prompts are tokenized
+        for that here and sent with their token ids, so the engine does not tokenize them again.
+        """
+        if params.max_tokens is not None:
+            prompts = [await self._fitted(prompt, params.max_tokens, i) for i, prompt in enumerate(prompts)]
         gens = [tracked(self.engine, self.metrics, prompt, params, f"{base_id}-{i}")
                 for i, prompt in enumerate(prompts)]
         try:
             return await start_streams(gens)
         except (ValueError, EngineStepError, EngineDeadError) as exc:
             raise engine_error(exc) from None
+
+    async def _fitted(self, prompt: Any, max_tokens: int, index: int) -> Any:
+        """``prompt`` with its token ids; OpenAIError 400 if they and ``max_tokens`` exceed the context."""
+        if isinstance(prompt, str):
+            prompt = {"prompt": prompt, "prompt_token_ids": await self.engine.tokenize(prompt)}
+        num_tokens = len(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
+        if num_tokens + max_tokens > self.max_model_len:
+            raise OpenAIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but "
+                              f"prompt {index} has {num_tokens} tokens and max_tokens is {max_tokens} "
+                              f"({num_tokens + max_tokens} in all)", param="max_tokens")
+        return prompt
 
     async def render_chat(self, body: ChatCompletionRequest | TokenizeRequest, **kwargs: Any) -> dict[str, Any]:
         """``body.messages`` through the model's chat template (``kwargs``: ``engine.render_chat``'s)."""
