@@ -4,8 +4,10 @@ switch interval for threads that work beside the engine loop."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
-from typing import Sequence
+import time
+from typing import Any, Sequence
 
 import torch
 
@@ -65,3 +67,15 @@ def _dashed(arg: str) -> str:
         return arg
     name, sep, value = arg.partition("=")
     return name.replace("_", "-") + sep + value
+
+
+def join_or_kill(process: Any, deadline: float) -> bool:
+    """Wait for ``process`` (a ``multiprocessing.Process``) until ``deadline`` (``time.monotonic()``),
+    then kill it if it is still running, saying which. True if it ended on its own with status 0."""
+    process.join(max(0.0, deadline - time.monotonic()))
+    if not process.is_alive():
+        return process.exitcode == 0
+    logging.getLogger(__name__).warning("%s (pid %d) did not stop in time; killing it", process.name, process.pid)
+    process.kill()
+    process.join(10.0)  # a killed process ends at once: this only bounds the wait for it
+    return False

@@ -20,6 +20,7 @@ import multiprocessing.connection
 import queue
 import signal
 import threading
+import time
 import traceback
 from typing import Any, Callable
 
@@ -27,7 +28,7 @@ from hookllm.config import EngineConfig
 from hookllm.engine.llm_engine import LLMEngine
 from hookllm.engine.loop import EngineLoop
 from hookllm.engine.messages import Command, EngineReport, Shutdown, decode_report, encode_report, rebuild_error
-from hookllm.utils import name_this_process
+from hookllm.utils import join_or_kill, name_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -87,13 +88,10 @@ class EngineProcess:
             # comes with the engine process's traceback.
             raise rebuild_error((name, message)) if name in ("ValueError", "TypeError") else EngineStartError(trace)
 
-    def join(self, timeout_s: float = 30.0) -> None:
-        """Wait for the process to end (it does once every client has shut down or gone)."""
-        self.process.join(timeout_s)
-        if self.process.is_alive():
-            logger.warning("the engine process did not stop within %.0f s; terminating it", timeout_s)
-            self.process.terminate()
-            self.process.join(10)
+    def join(self, timeout_s: float = 30.0) -> bool:
+        """Wait up to ``timeout_s`` for the process to end (it does once every client has shut down
+        or gone), then kill it: it ignores SIGTERM. True if it ended on its own with status 0."""
+        return join_or_kill(self.process, time.monotonic() + timeout_s)
 
 
 class EngineClient:
@@ -168,7 +166,9 @@ def _engine_process_main(config: EngineConfig, conns: list[Any]) -> None:
                         received.append((client, conn.recv()))
                         if not conn.poll():
                             break
-                except EOFError:  # that API server is gone: as if it had said shutdown
+                except (EOFError, ConnectionResetError):
+                    # That API server is gone (one that exits with reports still unread resets its
+                    # end of the pipe rather than closing it): as if it had said shutdown.
                     del open_conns[conn]
                     received.append((client, Shutdown()))
         return received.popleft() if received else None

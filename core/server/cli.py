@@ -12,14 +12,19 @@ import json
 import os
 import signal
 import socket
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
 from hookllm.engine.arg_utils import DefaultsHelpFormatter, EngineArgs
+from hookllm.utils import join_or_kill
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+# What an API server needs after its drain (--shutdown-timeout) to stop its engine client and exit
+# an interpreter that imported torch, on a busy machine; past it, the parent kills it.
+SHUTDOWN_MARGIN_S = 30.0
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -71,10 +76,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     config = with_local_paths(EngineArgs.from_cli_args(args).create_engine_config())
-    if args.api_server_count > 1:
-        return _run_api_servers(args, config)
-    _serve(args, AsyncLLM.from_engine_config(config))
-    return 0
+    try:
+        if args.api_server_count > 1:
+            return _run_api_servers(args, config)
+        _serve(args, AsyncLLM.from_engine_config(config))
+        return 0
+    finally:  # also when _serve ends with the SystemExit of a SIGTERM
+        _stop_resource_tracker()
 
 
 def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket | None = None) -> None:
@@ -105,10 +113,12 @@ def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket | None = N
 
 def _run_api_servers(args: argparse.Namespace, config: Any) -> int:
     """One engine process and ``--api-server-count`` API server processes, each a client of the
-    engine over its own pipe, all accepting on one socket bound here. SIGTERM here is passed on
-    to the API servers, which drain as a single server does; the engine process stops once the
-    last of them has gone."""
+    engine over its own pipe, all accepting on one socket bound here. SIGTERM (or SIGINT) here is
+    passed on to the API servers, which drain as a single server does; the engine process stops
+    once the last of them has gone. Each child gets ``--shutdown-timeout`` plus a margin to end,
+    and is killed after that; the status is 0 only if every child ended cleanly on its own."""
     import multiprocessing
+    import multiprocessing.connection
     import shutil
     import tempfile
 
@@ -117,6 +127,8 @@ def _run_api_servers(args: argparse.Namespace, config: Any) -> int:
     sock = socket.create_server((args.host, args.port))
     metrics_dir = tempfile.mkdtemp(prefix="hookllm-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # the API servers inherit it: summed metrics
+    wake_r, wake_w = os.pipe()
+    previous_handlers: dict[int, Any] = {}
     try:
         engine = EngineProcess(config, num_clients=args.api_server_count)
         context = multiprocessing.get_context("spawn")
@@ -132,17 +144,46 @@ def _run_api_servers(args: argparse.Namespace, config: Any) -> int:
             for server in servers:
                 if server.is_alive():
                     os.kill(server.pid, signal.SIGTERM)
+            os.write(wake_w, b"\0")  # ends the wait below, which Python resumes after a handler
 
-        signal.signal(signal.SIGTERM, stop)
-        # Ctrl-C reaches every process of the group: the servers stop on their own.
-        signal.signal(signal.SIGINT, lambda signum, frame: None)
-        for server in servers:
-            server.join()
-        engine.join(args.shutdown_timeout + 30)
-        return 0 if all(server.exitcode == 0 for server in servers) else 1
+        # Ctrl-C's SIGINT has reached the servers already (one process group) and a SIGTERM after
+        # it only repeats the request to stop; a SIGINT sent to this process alone needs passing on.
+        previous_handlers.update({signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)})
+        # Serve until told to stop: a server that ends before that (a crash) leaves the others serving.
+        serving = {server.sentinel for server in servers}
+        while serving:
+            ready = multiprocessing.connection.wait([wake_r, *serving])
+            if wake_r in ready:
+                break
+            serving.difference_update(ready)
+        deadline = time.monotonic() + args.shutdown_timeout + SHUTDOWN_MARGIN_S
+        clean = [join_or_kill(server, deadline) for server in servers]
+        # The engine stops once the servers have gone, aborting what is left: it gets its own deadline.
+        clean.append(engine.join(args.shutdown_timeout + SHUTDOWN_MARGIN_S))
+        return 0 if all(clean) else 1
     finally:
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)  # before the pipe that ``stop`` writes to closes
         sock.close()
+        os.close(wake_r)
+        os.close(wake_w)
         shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _stop_resource_tracker() -> None:
+    """Stop multiprocessing's resource tracker, which starting a process with "spawn" started here,
+    and wait for it: it ends only once every holder of its pipe has closed it, and this process
+    exiting first would leave it running after ``hookllm serve`` has returned.
+
+    ``ResourceTracker._stop`` is private (Python 3.11 to 3.13 have it; elsewhere the tracker still
+    ends on its own just after this process). It waits for the tracker without a deadline, so it
+    runs only when no child is left, i.e. no process of ours still holds the tracker's pipe."""
+    import multiprocessing
+    from multiprocessing import resource_tracker
+
+    stop = getattr(getattr(resource_tracker, "_resource_tracker", None), "_stop", None)
+    if stop is not None and not multiprocessing.active_children():
+        stop()
 
 
 def _api_server_main(args: argparse.Namespace, config: Any, conn: Any, sock: socket.socket) -> None:
