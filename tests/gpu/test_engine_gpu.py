@@ -96,7 +96,7 @@ def test_async_and_sync_scheduling_give_identical_tokens_on_cuda(small_llama):
     for async_scheduling in (True, False):
         llm = LLM(str(small_llama), gpu_memory_utilization=0.3, max_num_batched_tokens=256, dtype="float32",
                   async_scheduling=async_scheduling)
-        assert llm.engine.max_in_flight == int(async_scheduling)
+        assert llm.engine.engine_core.max_in_flight == int(async_scheduling)
         runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)])
         testing.assert_all_blocks_free(llm)
     assert runs[0] == runs[1]
