@@ -17,7 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from hookllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError
-from hookllm.outputs import RequestOutput
+from hookllm.outputs import CompletionOutput, RequestOutput
 from hookllm.sampling_params import SamplingParams
 from hookllm.server.errors import engine_error
 from hookllm.server.metrics import RequestTimer, ServerMetrics
@@ -107,7 +107,7 @@ async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple
 
 @dataclass
 class Result:
-    """One request's outputs gathered: what a non-streamed response reports."""
+    """One choice's outputs gathered: what a non-streamed response reports for it."""
 
     prompt: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
@@ -116,22 +116,23 @@ class Result:
     logprobs: list[dict[int, Any]] = field(default_factory=list)
     finish_reason: str | None = None
 
-    def add(self, output: RequestOutput) -> None:
-        completion = output.outputs[0]
+    def add(self, output: RequestOutput, completion: CompletionOutput) -> None:
         if output.prompt_token_ids:
             self.prompt, self.prompt_token_ids = output.prompt, output.prompt_token_ids
         self.text += completion.text
         self.token_ids += completion.token_ids
         self.logprobs += completion.logprobs or []
-        self.finish_reason = completion.finish_reason
+        self.finish_reason = completion.finish_reason or self.finish_reason
 
 
-async def gather(gens: list[AsyncIterator[RequestOutput]]) -> list[Result]:
-    """Every request's outputs, once all have finished; an engine failure is its HTTP error."""
-    results = [Result() for _ in gens]
+async def gather(gens: list[AsyncIterator[RequestOutput]], n: int = 1) -> list[Result]:
+    """Every choice's outputs, once all requests have finished: request ``i``'s completion ``j``
+    (of its ``n``) is choice ``i * n + j``, as OpenAI numbers them. An engine failure is its HTTP error."""
+    results = [Result() for _ in range(len(gens) * n)]
     try:
         async for index, output in merge(gens):
-            results[index].add(output)
+            for completion in output.outputs:
+                results[index * n + completion.index].add(output, completion)
     except (EngineStepError, EngineDeadError) as exc:
         raise engine_error(exc) from None
     return results
