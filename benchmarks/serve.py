@@ -8,9 +8,18 @@ process spent (Linux ``/proc``; an API process near one CPU second per second is
 event loop is the limit, and ``--api-server-count N`` runs N of them). Then the same requests through offline ``LLM.generate`` in this
 process, for the served / offline ratio.
 
+``--tools-fraction F`` runs each load a second time with an evenly spread fraction ``F`` of the
+requests sent as chat requests that carry ``TOOLS`` and ``tool_choice: "required"`` (their output
+constrained by the ``structured`` plugin, which the server is started with): the served
+throughput with tool requests beside the plain one. A tool request's message is its prompt's
+token ids decoded (less the template's and the tools' share, so the rendered prompt keeps about
+the prompt's length), with the same ``max_tokens`` and ``ignore_eos``. That needs a tokenizer:
+``--shape`` runs use structured.py's checkpoint (the random weights linked, a trained BPE).
+
     python benchmarks/serve.py --shape llama-3.2-1b --rates 20,40
-    # CPU smoke test on a small checkpoint:
-    python benchmarks/serve.py --model DIR --num-requests 8 --max-len 32 --rates 4 \\
+    python benchmarks/serve.py --shape llama-3.2-1b --rates 20 --tools-fraction 0.25
+    # CPU smoke test on a small checkpoint (with a tokenizer, for --tools-fraction):
+    python benchmarks/serve.py --model DIR --num-requests 8 --max-len 32 --rates 4 --tools-fraction 0.25 \\
         --engine-args "--device cpu --dtype float32 --num-kv-blocks 64"
 """
 
@@ -19,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing
 import os
 import shlex
@@ -36,6 +46,30 @@ from common import SHAPES, add_out_argument, commit, device_name, now, random_ch
 from throughput import workload_a  # noqa: E402
 
 HOST = "127.0.0.1"
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+STRUCTURED_TOKENIZER_VOCAB = 32000  # structured.py's default --tokenizer-vocab: its checkpoint folder is reused
+# Two functions a travel assistant might offer, with the JSON-schema parameters clients send. Every
+# value is bounded, so even random weights complete a call (then, with ignore_eos, only EOS follows).
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 64, "description": "the city's name, e.g. Paris"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "search_flights", "description": "Flights between two airports on a day.",
+        "parameters": {"type": "object", "properties": {
+            "origin": {"type": "string", "pattern": "^[A-Z]{3}$", "description": "departure airport (IATA code)"},
+            "destination": {"type": "string", "pattern": "^[A-Z]{3}$", "description": "arrival airport (IATA code)"},
+            "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+            "max_stops": {"type": "integer", "minimum": 0, "maximum": 3}},
+            "required": ["origin", "destination", "date"], "additionalProperties": False}}},
+]
+# For a tokenizer without a chat template (the benchmarks' random checkpoints): the tools as JSON.
+TOOLS_TEMPLATE = ("{% if tools %}<|system|>You may call these functions: {{ tools | tojson }}\n{% endif %}"
+                  "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 def free_port() -> int:
@@ -44,10 +78,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model: Path, port: int, engine_args: str, startup_s: float, api_servers: int) -> subprocess.Popen:
+def start_server(model: Path, port: int, engine_args: list[str], startup_s: float,
+                 api_servers: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "hookllm.entrypoints.cli", "serve", str(model), "--host", HOST, "--port", str(port),
                "--served-model-name", "bench", "--log-level", "warning", "--api-server-count", str(api_servers),
-               *shlex.split(engine_args)]
+               *engine_args]
     process = subprocess.Popen(command)
     deadline = time.monotonic() + startup_s
     while time.monotonic() < deadline:
@@ -79,37 +114,87 @@ def server_cpu_seconds(server_pid: int) -> dict[str, float]:
             "engine": sum(cpu_seconds(pid) for pid in children if names[pid] == "hookllm-engine")}
 
 
-async def one_request(http: "aiohttp.ClientSession", url: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed completion: its send time, first and last chunk times (wall clock) and token count."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.6, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+def is_tool_request(index: int, tools_fraction: float) -> bool:
+    """Whether request ``index`` is one of an evenly spread ``tools_fraction`` of the requests."""
+    return math.floor((index + 1) * tools_fraction) > math.floor(index * tools_fraction)
+
+
+def build_requests(prompts: list[list[int]], max_tokens: list[int], tools_fraction: float = 0.0,
+                   tokenizer=None) -> list[tuple[str, dict]]:
+    """Workload A as streamed requests, each (path, body): completions of the token-id prompts,
+    but for ``tools_fraction`` of them chat requests with ``TOOLS`` and ``tool_choice: "required"``
+    whose rendered prompt has about the prompt's length (``tokenizer`` decodes and renders them)."""
+    template = None if tools_fraction == 0 or tokenizer.chat_template else TOOLS_TEMPLATE
+    overhead = len(chat_prompt_ids(tokenizer, "", template)) if tools_fraction else 0
+    requests = []
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        common = {"model": "bench", "max_tokens": n, "temperature": 0.6, "ignore_eos": True, "stream": True,
+                  "stream_options": {"include_usage": True}}
+        if not is_tool_request(i, tools_fraction):
+            requests.append((COMPLETIONS, {**common, "prompt": prompt}))
+            continue
+        message = message_text(tokenizer, prompt, len(prompt) - overhead)
+        body = {**common, "messages": [{"role": "user", "content": message}], "tools": TOOLS,
+                "tool_choice": "required"}
+        requests.append((CHAT, {**body, "chat_template": template} if template else body))
+    return requests
+
+
+def message_text(tokenizer, ids: list[int], budget: int) -> str:
+    """A text of at most ``budget`` tokens made of ``ids``' first ones, decoded. Decoded ids need
+    not encode back to as many (bytes of a broken character, merges across their joins), so the
+    cut shrinks until the text's own encoding fits."""
+    cut = budget = max(0, budget)
+    text = tokenizer.decode(ids[:cut])
+    while (length := len(tokenizer(text, add_special_tokens=False)["input_ids"])) > budget:
+        cut = min(cut - 1, cut * budget // length)
+        text = tokenizer.decode(ids[:cut])
+    return text
+
+
+def chat_prompt_ids(tokenizer, message: str, template: str | None) -> list[int]:
+    """The token ids of a tool request's prompt: ``message`` with ``TOOLS``, through ``template``
+    (None: the tokenizer's own), as the server renders it."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tools=TOOLS,
+                                         chat_template=template, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+async def one_request(http: "aiohttp.ClientSession", url: str, path: str, body: dict) -> dict:
+    """One streamed request: its send time, first and last chunk times (wall clock), token count,
+    and whether its reply streamed tool calls."""
     sent = time.time()
     first = last = None
     tokens = 0
-    async with http.post(f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
+    tool_calls = False
+    async with http.post(url + path, json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{path} answered {response.status}: {await response.text()}")
         async for line in response.content:
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
             event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"{path} failed while streaming: {event['error']['message']}")
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
             elif event["choices"]:
                 last = time.time()
                 first = first or last
-    return {"sent": sent, "first": first, "last": last, "tokens": tokens}
+                tool_calls = tool_calls or bool(event["choices"][0].get("delta", {}).get("tool_calls"))
+    return {"sent": sent, "first": first, "last": last, "tokens": tokens, "tool_calls": tool_calls}
 
 
-async def send_all(url: str, jobs: list[tuple[float, list[int], int]], start_at: float) -> list[dict]:
-    """Send each (offset, prompt, max_tokens) at ``start_at + offset`` (wall clock)."""
+async def send_all(url: str, jobs: list[tuple[float, str, dict]], start_at: float) -> list[dict]:
+    """Send each (offset, path, body) at ``start_at + offset`` (wall clock)."""
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
         tasks = []
-        for offset, prompt, max_tokens in jobs:
+        for offset, path, body in jobs:
             await asyncio.sleep(max(0.0, start_at + offset - time.time()))
-            tasks.append(asyncio.create_task(one_request(http, url, prompt, max_tokens)))
+            tasks.append(asyncio.create_task(one_request(http, url, path, body)))
         return await asyncio.gather(*tasks)
 
 
@@ -121,12 +206,13 @@ def client_process(url: str, jobs: list, ready: "multiprocessing.Queue", start_a
     results.put(asyncio.run(send_all(url, jobs, start_at.get())))
 
 
-def run_load(url: str, prompts, max_tokens, rate: float | None, num_clients: int, server_pid: int) -> dict:
-    """All requests at once (``rate`` None) or with Poisson arrivals at ``rate`` req/s, sent by
+def run_load(url: str, requests: list[tuple[str, dict]], rate: float | None, num_clients: int,
+             server_pid: int) -> dict:
+    """All ``requests`` (path, body) at once (``rate`` None) or with Poisson arrivals at ``rate`` req/s, sent by
     ``num_clients`` processes (one Python client cannot parse tens of thousands of events a second)."""
-    gaps = np.random.default_rng(0).exponential(1.0 / rate, len(prompts)) if rate else np.zeros(len(prompts))
+    gaps = np.random.default_rng(0).exponential(1.0 / rate, len(requests)) if rate else np.zeros(len(requests))
     offsets = np.cumsum(gaps)
-    jobs = [(float(t), p, n) for t, p, n in zip(offsets, prompts, max_tokens)]
+    jobs = [(float(t), path, body) for t, (path, body) in zip(offsets, requests)]
     context = multiprocessing.get_context("spawn")
     ready, start, queue = context.Queue(), context.Queue(), context.Queue()
     clients = [context.Process(target=client_process, args=(url, jobs[i::num_clients], ready, start, queue))
@@ -147,15 +233,17 @@ def run_load(url: str, prompts, max_tokens, rate: float | None, num_clients: int
     ttft = np.asarray([r["first"] - r["sent"] for r in results])
     tpot = np.asarray([(r["last"] - r["first"]) / max(1, r["tokens"] - 1) for r in results])
     output_tokens = sum(r["tokens"] for r in results)
-    return {"rate_req_s": rate or "max", "num_requests": len(prompts), "client_processes": num_clients,
+    tool_requests = sum(path == CHAT for path, _ in requests)
+    tools = {"tool_requests": tool_requests, "tool_call_replies": sum(r["tool_calls"] for r in results)}
+    return {"rate_req_s": rate or "max", "num_requests": len(requests), "client_processes": num_clients,
             "wall_s": seconds, "output_tok_s": output_tokens / seconds, "output_tokens": output_tokens,
             "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)), "ttft_p99_ms": 1e3 * float(np.percentile(ttft, 99)),
             "tpot_p50_ms": 1e3 * float(np.percentile(tpot, 50)), "tpot_p99_ms": 1e3 * float(np.percentile(tpot, 99)),
             "api_cpu_s": cpu["api"], "engine_cpu_s": cpu["engine"],
-            "api_cpu_us_per_token": 1e6 * cpu["api"] / max(1, output_tokens)}
+            "api_cpu_us_per_token": 1e6 * cpu["api"] / max(1, output_tokens), **(tools if tool_requests else {})}
 
 
-def run_offline(model: Path, prompts, max_tokens, engine_args: str) -> dict:
+def run_offline(model: Path, prompts, max_tokens, engine_args: list[str]) -> dict:
     """The same requests through ``LLM.generate``, with the server's engine flags."""
     import dataclasses
 
@@ -163,7 +251,7 @@ def run_offline(model: Path, prompts, max_tokens, engine_args: str) -> dict:
     from hookllm.engine.arg_utils import EngineArgs
 
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
-    config = EngineArgs.from_cli_args(parser.parse_args(["--model", str(model), *shlex.split(engine_args)]))
+    config = EngineArgs.from_cli_args(parser.parse_args(["--model", str(model), *engine_args]))
     llm = LLM(**dataclasses.asdict(config.create_engine_config()))
     llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=8))  # warm-up
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
@@ -172,6 +260,19 @@ def run_offline(model: Path, prompts, max_tokens, engine_args: str) -> dict:
     seconds = time.perf_counter() - start
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"wall_s": seconds, "output_tok_s": output_tokens / seconds, "output_tokens": output_tokens}
+
+
+def checkpoint(args: argparse.Namespace) -> Path:
+    """``--model``, else ``--shape``'s random checkpoint: with tool requests, structured.py's copy of
+    it that has a tokenizer (the weights linked, the same folder structured.py uses)."""
+    if args.model:
+        return args.model
+    if not args.tools_fraction:
+        return random_checkpoint(args.shape, Path(args.root))
+    from structured import checkpoint_with_tokenizer
+
+    return checkpoint_with_tokenizer(argparse.Namespace(tiny=False, shape=args.shape, root=args.root,
+                                                        tokenizer_vocab=STRUCTURED_TOKENIZER_VOCAB))
 
 
 def main() -> None:
@@ -187,38 +288,61 @@ def main() -> None:
     parser.add_argument("--startup-s", type=float, default=600.0)
     parser.add_argument("--client-processes", type=int, default=4, help="processes sending the requests")
     parser.add_argument("--api-server-count", type=int, default=1, help="the server's API processes")
+    parser.add_argument("--tools-fraction", type=float, default=0.0,
+                        help="also run each load with this fraction of the requests as chat requests with tools "
+                             "and tool_choice 'required' (0: none)")
     add_out_argument(parser)
     args = parser.parse_args()
+    if not 0.0 <= args.tools_fraction <= 1.0:
+        parser.error(f"--tools-fraction must be in [0, 1], got {args.tools_fraction}")
 
-    model = args.model or random_checkpoint(args.shape, Path(args.root))
+    model = checkpoint(args)
+    engine_args = shlex.split(args.engine_args)
+    server_args = engine_args
+    tokenizer = None
+    if args.tools_fraction:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        if "structured" not in engine_args:  # it constrains the tool requests' output
+            server_args = [*engine_args, "--plugin", "structured"]
     prompts, max_tokens = workload_a(args.num_requests)
     vocab = json.loads((model / "config.json").read_text()).get("vocab_size", 10001)
     prompts = [[t % vocab for t in p[:args.max_len]] for p in prompts]  # a small model's vocabulary
     max_tokens = [min(n, args.max_len or n) for n in max_tokens]
     rates = [float(r) for r in args.rates.split(",") if r]
-    name = f"serve-{args.model.name if args.model else args.shape}"
+    name = f"serve-{args.model.name if args.model else args.shape}" + ("-tools" if args.tools_fraction else "")
     results: dict[str, dict] = {}
     payload = {"device": device_name(), "date": now(), "commit": commit(), "model": str(model),
                "workload": f"A over HTTP: {args.num_requests} streamed requests, token-id prompts, ignore_eos"
-                           + (f", cut to {args.max_len} tokens" if args.max_len else ""),
-               "engine_args": args.engine_args, "api_server_count": args.api_server_count, "results": results}
+                           + (f", cut to {args.max_len} tokens" if args.max_len else "")
+                           + (f"; rows *_tools: {args.tools_fraction:g} of them chat requests with tools and "
+                              "tool_choice 'required'" if args.tools_fraction else ""),
+               "engine_args": " ".join(server_args), "api_server_count": args.api_server_count,
+               "tools_fraction": args.tools_fraction, "results": results}
+    loads = {"": build_requests(prompts, max_tokens)}
+    if args.tools_fraction:
+        loads["_tools"] = build_requests(prompts, max_tokens, args.tools_fraction, tokenizer)
 
     port = free_port()
-    server = start_server(model, port, args.engine_args, args.startup_s, args.api_server_count)
+    server = start_server(model, port, server_args, args.startup_s, args.api_server_count)
     try:
         url = f"http://{HOST}:{port}"
-        run_load(url, prompts[:2], [4, 4], None, 1, server.pid)  # warm-up
+        # Warm-up: with tools, one tool request too (its grammar's first compile is not on the clock).
+        warm_up = build_requests(prompts[:2], [4, 4], 0.5 if args.tools_fraction else 0.0, tokenizer)
+        run_load(url, warm_up, None, 1, server.pid)
         for rate in [None, *rates]:
-            key = "full_concurrency" if rate is None else f"rate_{rate:g}"
-            results[key] = run_load(url, prompts, max_tokens, rate, args.client_processes, server.pid)
+            for suffix, requests in loads.items():
+                key = ("full_concurrency" if rate is None else f"rate_{rate:g}") + suffix
+                results[key] = run_load(url, requests, rate, args.client_processes, server.pid)
     finally:
         server.terminate()
         server.wait(60)
-    results["offline"] = run_offline(model, prompts, max_tokens, args.engine_args)
+    results["offline"] = run_offline(model, prompts, max_tokens, engine_args)
     for row in results.values():
         row["vs_offline"] = row["output_tok_s"] / results["offline"]["output_tok_s"]
     write_result(name, payload, args.out)
-    print(f"{'run':<18}{'out tok/s':>11}{'x offline':>11}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>9}  (ms)"
+    print(f"{'run':<24}{'out tok/s':>11}{'x offline':>11}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>9}  (ms)"
           f"{'API CPU/s':>11}{'engine CPU/s':>14}{'API us/token':>14}")
     for key, row in results.items():
         served = "ttft_p50_ms" in row
@@ -226,7 +350,8 @@ def main() -> None:
                                                             ("tpot_p50_ms", 10), ("tpot_p99_ms", 9))) if served else ""
         cpu = (f"{'':7}{row['api_cpu_s'] / row['wall_s']:>11.2f}{row['engine_cpu_s'] / row['wall_s']:>14.2f}"
                f"{row['api_cpu_us_per_token']:>14.1f}") if served else ""
-        print(f"{key:<18}{row['output_tok_s']:>11.0f}{row['vs_offline']:>11.2f}{latency}{cpu}")
+        tools = f"  tool calls in {row['tool_call_replies']}/{row['tool_requests']}" if "tool_requests" in row else ""
+        print(f"{key:<24}{row['output_tok_s']:>11.0f}{row['vs_offline']:>11.2f}{latency}{cpu}{tools}")
 
 
 if __name__ == "__main__":

@@ -19,10 +19,21 @@ if TYPE_CHECKING:
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
+def is_hub_id(model: str) -> bool:
+    """Whether ``model`` names a hub repository (``org/name``, and no such local path)."""
+    return not Path(model).exists() and bool(HUB_ID.match(model))
+
+
+def short_model_name(model: str) -> str:
+    """A name for ``model`` as the user gave it that shows nothing of the local file system:
+    a hub id as it is, else the folder's own name (the default model's is ``SmolLM2-135M-Instruct``)."""
+    return model if is_hub_id(model) else Path(model).resolve().name
+
+
 def resolve_model_path(model: str) -> str:
     """A local folder for ``model``: the folder itself, or the hub id's snapshot. One-line
     ``ValueError`` when it is neither a folder nor an available hub id."""
-    if Path(model).exists() or not HUB_ID.match(model):
+    if not is_hub_id(model):
         return model
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from hookllm.worker.model_runner import ModelInputs
     from hookllm.plugins.registry import ModelRegistry, ScopedRegistry
     from hookllm.sched.request import Request
+    from hookllm.plugins.reasoning_parsers import ReasoningParser
+    from hookllm.plugins.tool_parsers import ToolParser
 
 PROJECT_NAME = "hookllm"
 
@@ -42,7 +44,8 @@ MODEL_SCOPED = frozenset(
     {"load_model", "render_content_part", "preprocess_request", "prepare_inputs", "request_finished"})
 # Hooks called on every installed plugin, active or not, once per process: a class plugin
 # implements them as static or class methods (no engine, so no instance, exists yet).
-INSTALLED_WIDE = frozenset({"register_models", "add_cli_options", "claim_request_parameters"})
+INSTALLED_WIDE = frozenset({"register_models", "add_cli_options", "claim_request_parameters",
+                            "register_tool_parsers", "register_reasoning_parsers"})
 
 
 @hookspec
@@ -224,9 +227,11 @@ def claim_request_parameters() -> RequestParameters | None:
 
 @hookspec
 def add_cli_options(parser: argparse.ArgumentParser) -> None:
-    """Add plugin-specific flags to the ``hookllm generate`` argparse parser (all installed plugins).
+    """Add plugin-specific flags to ``hookllm generate`` and ``hookllm serve`` (all installed plugins).
 
-    The parsed values reach every request as ``SamplingParams.extra_args[dest]``::
+    The parsed values reach every request as ``SamplingParams.extra_args[dest]``. On ``serve``
+    they are the server-wide defaults: a request may set ``dest`` as a top-level body field, or
+    in its ``extra_args``, which wins::
 
         @hookimpl
         def add_cli_options(parser):
@@ -249,4 +254,51 @@ def add_routes(app: fastapi.FastAPI, engine: AsyncLLM, context: EngineContext) -
             @app.get("/v1/my-plugin/stats")
             async def stats():
                 return {"running": engine.get_stats().num_running_reqs}
+    """
+
+
+@hookspec
+def register_tool_parsers() -> dict[str, type[ToolParser]] | None:
+    """Name the tool parsers this plugin provides: ``{name: ToolParser subclass}``.
+
+    Called on every installed plugin (selected or not): ``hookllm serve --tool-call-parser NAME``
+    takes the parser named NAME from whichever installed plugin registers it (a name two
+    plugins register is refused). For ``tool_choice: "auto"`` the server makes one parser per
+    reply, ``cls(tools)`` with the request's tool definitions (OpenAI's ``{"type": "function",
+    "function": {...}}`` dicts), and feeds it the reply's text (after any reasoning section)
+    as it is generated. A :class:`hookllm.plugins.tool_parsers.ToolParser` turns text into
+    content and tool calls, holding back what may still become a call; subclass its building
+    blocks ``TaggedToolParser`` (calls between markers) or ``JsonCallsParser`` (a reply of JSON
+    call objects), as the bundled ``hermes`` and ``llama3_json`` do::
+
+        class CallTagParser(TaggedToolParser):      # <call>get_weather {"city": "Paris"}</call>
+            start, end = "<call>", "</call>"
+
+            def parse_call(self, body):
+                name, _, arguments = body.strip().partition(" ")
+                return ParsedToolCall(name, arguments or "{}") if name else None
+
+        @hookimpl
+        def register_tool_parsers():
+            return {"calltag": CallTagParser}
+    """
+
+
+@hookspec
+def register_reasoning_parsers() -> dict[str, type[ReasoningParser]] | None:
+    """Name the reasoning parsers this plugin provides: ``{name: ReasoningParser subclass}``.
+
+    Called on every installed plugin (selected or not): ``hookllm serve --reasoning-parser NAME``
+    takes the parser named NAME from whichever installed plugin registers it. The server makes
+    one parser per reply (``cls()``) and feeds it the reply's text as it is generated; a
+    :class:`hookllm.plugins.reasoning_parsers.ReasoningParser` splits it into
+    ``reasoning_content`` and content (the content then goes to the tool parser, if any). The
+    bundled ``qwen3`` and ``deepseek_r1`` are ``ThinkReasoningParser``s; one for other markers::
+
+        class ThoughtParser(ThinkReasoningParser):
+            start, end = "<thought>", "</thought>"
+
+        @hookimpl
+        def register_reasoning_parsers():
+            return {"thought": ThoughtParser}
     """

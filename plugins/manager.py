@@ -1,7 +1,8 @@
 """Finding installed plugins (entry-point group ``hookllm.plugins``) and choosing the active set.
 
-Every installed plugin contributes to ``register_models``, ``add_cli_options`` and
-``claim_request_parameters``; the other hooks run only for the active plugins: those the user
+Every installed plugin contributes to ``register_models``, ``add_cli_options``,
+``claim_request_parameters`` and the parser registrations (``register_tool_parsers``,
+``register_reasoning_parsers``); the other hooks run only for the active plugins: those the user
 selected, the one that registered the checkpoint's architecture, and the core defaults. A
 plugin that fails to load is kept with its error, so it can be listed and reported when
 selected, and never takes down the others.
@@ -38,6 +39,8 @@ CORE_PLUGIN = "core"
 PLUGIN_FIELDS = ("structured_outputs",)
 _DEFAULT_PARAMS = SamplingParams()
 _NO_DEFAULT = object()  # an extra_args key a plugin names outright: any value needs the plugin
+# The hooks through which plugins name parsers, and what those parsers are called in messages.
+PARSER_HOOKS = {"register_tool_parsers": "tool parser", "register_reasoning_parsers": "reasoning parser"}
 
 
 @dataclass
@@ -52,6 +55,8 @@ class PluginInfo:
     parameters: RequestParameters = field(default_factory=RequestParameters)
     # extra_args keys from its add_cli_options dests -> the flag's default (what the CLI sends unasked)
     option_defaults: dict[str, Any] = field(default_factory=dict)
+    # PARSER_HOOKS' hook -> {parser name: parser class}
+    parsers: dict[str, dict[str, type]] = field(default_factory=dict)
 
 
 def _new_plugin_manager() -> pluggy.PluginManager:
@@ -141,10 +146,26 @@ class PluginManager:
             info.parameters = RequestParameters(*(
                 tuple(dict.fromkeys(name for p in declared for name in getattr(p, part.name)))
                 for part in dataclasses.fields(RequestParameters)))
+            info.parsers = {hook: {name: cls for named in alone(hook)() if named for name, cls in named.items()}
+                            for hook in PARSER_HOOKS}
         self.all_plugins = registrations  # add_cli_options runs on every installed plugin
 
     def loaded(self) -> list[PluginInfo]:
         return [info for info in self.plugins.values() if info.module is not None]
+
+    def parser(self, hook: str, name: str) -> type:
+        """The parser class registered as ``name`` through ``hook`` (a key of ``PARSER_HOOKS``) by
+        an installed plugin; ``ValueError`` naming the registered ones when none or several do."""
+        owners = [info for info in self.loaded() if name in info.parsers[hook]]
+        if len(owners) == 1:
+            return owners[0].parsers[hook][name]
+        what = PARSER_HOOKS[hook]
+        if owners:
+            raise ValueError(f"{what} {name!r} is registered by several plugins: "
+                             f"{', '.join(info.name for info in owners)}")
+        known = sorted({parser for info in self.loaded() for parser in info.parsers[hook]})
+        raise ValueError(f"no installed plugin provides a {what} named {name!r}; "
+                         f"the {what}s: {', '.join(known) or 'none'}")
 
     def check_selected(self, names: Iterable[str]) -> list[str]:
         """Validate user-selected plugin names: unknown or broken ones raise ``ValueError``."""

@@ -11,16 +11,21 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.fixture(scope="module")
-def throughput():
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module."""
     saved = list(sys.path)  # the script puts benchmarks/ first on the path to import its neighbours
     try:
-        spec = importlib.util.spec_from_file_location("throughput", BENCHMARKS / "throughput.py")
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
         sys.path[:] = saved
     return module
+
+
+@pytest.fixture(scope="module")
+def throughput():
+    return load_benchmark("throughput")
 
 
 def test_workload_a_is_unchanged(throughput):
@@ -63,3 +68,26 @@ def test_plots_draw_the_committed_results(tmp_path):
                    capture_output=True)
     for name in ("throughput.png", "step-breakdown.png", "progress.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_sends_an_evenly_spread_fraction_as_chat_requests_with_required_tools(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    serve = load_benchmark("serve")
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))  # no chat template: the script's own
+    # Longer than the template and tools (about 800 of this 320-token vocabulary's tokens).
+    prompts = [[(37 * i + 11 * j) % len(tokenizer) for j in range(1000 + 50 * i)] for i in range(8)]
+    max_tokens = [16 + i for i in range(8)]
+    requests = serve.build_requests(prompts, max_tokens, 0.25, tokenizer)
+    assert [path for path, _ in requests] == 2 * [serve.COMPLETIONS, serve.COMPLETIONS, serve.COMPLETIONS, serve.CHAT]
+    assert requests[:3] == serve.build_requests(prompts[:3], max_tokens[:3])  # the plain ones, as without tools
+    for (path, body), prompt, n in zip(requests, prompts, max_tokens):
+        assert (body["max_tokens"], body["ignore_eos"], body["stream"]) == (n, True, True)
+        if path == serve.COMPLETIONS:
+            assert body["prompt"] == prompt
+            continue
+        assert body["tool_choice"] == "required" and body["chat_template"] == serve.TOOLS_TEMPLATE
+        assert [tool["function"]["name"] for tool in body["tools"]] == ["get_weather", "search_flights"]
+        # Rendered as the server renders it (template, tools, message), about the prompt's length.
+        rendered = serve.chat_prompt_ids(tokenizer, body["messages"][0]["content"], body["chat_template"])
+        assert 0.9 * len(prompt) <= len(rendered) <= len(prompt)

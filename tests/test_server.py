@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from hookllm import LLM, SamplingParams
+from hookllm.server.protocol import MAX_N
 from server_fixtures import Server, with_chat_template
 
 NUM_KV_BLOCKS = 64
@@ -153,7 +154,7 @@ IMAGE = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAA
     ("/v1/completions", b"{not json", 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": MAX_N + 1}, 400, "n"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "min_tokens": 9, "max_tokens": 2}, 400, "min_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "word " * 600}, 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
@@ -239,7 +240,7 @@ def test_api_key_is_required_when_set(chat_model_dir):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="sekrit", max_retries=0)
-        assert len(client.completions.create(model=str(chat_model_dir), prompt="x", max_tokens=2).choices) == 1
+        assert len(client.completions.create(model=chat_model_dir.name, prompt="x", max_tokens=2).choices) == 1
         assert httpx.get(server.url + "/health").status_code == 200  # health needs no key
     finally:
         assert server.stop() == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 
+import httpx
 import openai
 import pytest
 from llava_fixtures import checkpoint, random_image  # noqa: F401 - checkpoint is a fixture
@@ -68,14 +69,25 @@ def test_llava_bad_image_is_a_400_and_the_server_serves_on(llava_server, url):
     assert llava_server.metric("hookllm:num_used_kv_blocks") == 0
 
 
-def test_default_smollm2_answers_paris():
+@pytest.fixture(scope="module")
+def default_server():
     server = Server(["--device", "cpu", "--dtype", "float32"])
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
-        response = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=16, temperature=0)
-        assert "Paris" in response.choices[0].message.content
-    finally:
-        assert server.stop() == 0
+    yield server
+    assert server.stop() == 0
+
+
+def test_default_smollm2_answers_paris(default_server):
+    client = openai.OpenAI(base_url=default_server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    response = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16, temperature=0)
+    assert "Paris" in response.choices[0].message.content
+
+
+def test_default_model_is_served_by_its_short_name_not_its_cache_path(default_server):
+    from hookllm.default_model import MODEL_NAME, cache_dir
+
+    models = httpx.get(default_server.url + "/v1/models").json()["data"]
+    assert [(m["id"], m["root"]) for m in models] == [(MODEL_NAME, MODEL_NAME)]
+    assert str(cache_dir()) not in httpx.get(default_server.url + "/metrics").text

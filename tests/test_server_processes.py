@@ -1,6 +1,7 @@
 """``hookllm serve --api-server-count 2``: two API server processes on one port and one engine
-process; answers equal the offline ``LLM``, ``/metrics`` sums both processes, SIGTERM stops all
-(also with a stream in flight), leaving no process behind."""
+process; the engine's gauges are right before any request, answers equal the offline ``LLM``,
+``/metrics`` sums both processes, SIGTERM stops all (also with a stream in flight), leaving no
+process behind."""
 
 from __future__ import annotations
 
@@ -59,11 +60,26 @@ def serve_two(tiny_llama_dir: Path, *args: str) -> Server:
                    str(NUM_KV_BLOCKS), "--served-model-name", "tiny", "--api-server-count", "2", *args])
 
 
-def test_two_api_servers_answer_concurrent_streams_sum_their_metrics_and_stop_on_sigterm(tiny_llama_dir, offline):
+@pytest.fixture(scope="module")
+def two_api_servers(tiny_llama_dir):
+    """A fresh server with two API processes: the first test reads it before any request, the next
+    one serves its requests and stops it."""
+    server = serve_two(tiny_llama_dir)
+    yield server
+    server.stop()  # nothing more once a test has stopped it
+
+
+def test_engine_gauges_are_right_before_any_request_with_two_api_servers(two_api_servers):
+    for _ in range(8):  # each scrape reaches either API server process
+        assert two_api_servers.metric("hookllm:num_kv_blocks") == NUM_KV_BLOCKS
+        assert two_api_servers.metric("hookllm:num_requests_running") == 0
+
+
+def test_two_api_servers_answer_concurrent_streams_sum_their_metrics_and_stop_on_sigterm(two_api_servers, offline):
     prompts = [f"client {i} says" for i in range(NUM_CLIENTS)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     expected = [o.outputs[0].text for o in offline.generate(prompts, params)]
-    server = serve_two(tiny_llama_dir)
+    server = two_api_servers
     try:
         processes = descendants(server.process.pid)
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -91,7 +91,7 @@ class AsyncLLM:
             # add_routes), not its weights: those load in the engine process.
             self.config = config
             self.model_config, self.hooks = resolve_model(config, PluginManager())
-            self._stats = SchedulerStats(0, 0, 0, 0)
+            self._stats = SchedulerStats(0, 0, 0, 0)  # until the loop's first report, which the client awaits
             if connection is None:
                 process = EngineProcess(config)
                 self._loop = EngineClient(process.client_conns[0], self._on_report, self._on_exit, process)
@@ -120,7 +120,8 @@ class AsyncLLM:
         return not self._stopped.is_set()
 
     def get_stats(self) -> SchedulerStats:
-        """Running/waiting requests and KV use as of the last step (no waiting on a step)."""
+        """Running/waiting requests and KV use as of the engine's last report (no waiting on a
+        step; its first comes as it starts, before any request)."""
         return self._stats
 
     def decode(self, token_ids: list[int]) -> str:

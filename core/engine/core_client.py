@@ -97,31 +97,39 @@ class EngineProcess:
 class EngineClient:
     """One client of an engine process, over its pipe ``conn``: commands go out with ``send``; a
     reader thread hands each report to ``deliver`` and calls ``on_exit`` when the loop is gone.
-    With ``process`` (the client that started it), ``close`` also waits for the process to end."""
+    With ``process`` (the client that started it), ``close`` also waits for the process to end.
+    Returns once the loop's first report (the engine's stats, sent as it starts) is delivered,
+    or the loop is gone."""
 
     def __init__(self, conn: Any, deliver: Callable[[EngineReport], None], on_exit: Callable[[], None],
                  process: EngineProcess | None = None):
         self.conn = conn
         self.process = process
         self.send_lock = threading.Lock()
+        self.started = threading.Event()
         self.reader = threading.Thread(target=self._read, args=(deliver, on_exit), name="hookllm-engine-reader",
                                        daemon=True)
         self.reader.start()
         # A caller that never shuts down must not hang its own exit: multiprocessing joins
         # non-daemon children at exit, and the engine waits for a command until its pipes close.
         atexit.register(self.close)
+        # The caller's view of the engine (a server's gauges: its KV blocks) is right from the start.
+        self.started.wait()
 
     def _read(self, deliver: Callable[[EngineReport], None], on_exit: Callable[[], None]) -> None:
         try:
             while True:
                 report = decode_report(self.conn.recv_bytes())
                 deliver(report)
+                if not self.started.is_set():
+                    self.started.set()
                 if report.closed:
                     return
         except (EOFError, OSError):
             logger.error("the engine process stopped unexpectedly")
         finally:
             on_exit()
+            self.started.set()
 
     def send(self, command: Command) -> None:
         with self.send_lock:  # commands come from the event loop and from other threads

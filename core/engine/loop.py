@@ -1,9 +1,10 @@
 """The engine loop: commands in, one engine step at a time, reports out, all as typed messages.
 
 ``EngineLoop`` steps an ``LLMEngine`` while any request is unfinished; between steps it runs the
-commands its clients sent (add, abort, shut down); idle, it blocks waiting for one. After each
-step it sends each client one ``EngineReport`` with its requests' new tokens and text. Where it
-runs (a thread of this process, or a process of its own) is ``hookllm.engine.core_client``'s.
+commands its clients sent (add, abort, shut down); idle, it blocks waiting for one. As it starts
+it sends each client a report with the engine's stats alone (a server's gauges are right before
+any request); after each step, one ``EngineReport`` with its requests' new tokens and text.
+Where it runs (a thread of this process, or a process of its own) is ``hookllm.engine.core_client``'s.
 """
 
 from __future__ import annotations
@@ -38,21 +39,26 @@ class EngineLoop:
         self.head_sent: set[str] = set()  # requests whose first output (with the prompt) was sent
 
     def run(self) -> None:
-        """Until every client has said shutdown (or is gone): commands, a step, a report each."""
-        reports = self._new_reports(self.engine.get_stats())
+        """A first report with the stats alone, then until every client has said shutdown (or is
+        gone): commands, a step, a report each."""
         try:
+            reports = self._send_reports(self._new_reports(self.engine.get_stats()))
             while self._run_commands(reports, block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
                     self._step(reports)
-                stats = self.engine.get_stats()
-                for client in self.clients:
-                    reports[client].stats = stats
-                    self.send(client, reports[client])
-                reports = self._new_reports(stats)
+                reports = self._send_reports(reports)
         finally:
             self.engine.abort_request(self.engine.unfinished_request_ids())
             for client in self.clients:
                 self.send(client, EngineReport(self.engine.get_stats(), closed=True))
+
+    def _send_reports(self, reports: dict[int, EngineReport]) -> dict[int, EngineReport]:
+        """Send each client its report with the current stats; the next turn's empty reports."""
+        stats = self.engine.get_stats()
+        for client in self.clients:
+            reports[client].stats = stats
+            self.send(client, reports[client])
+        return self._new_reports(stats)
 
     def _new_reports(self, stats: SchedulerStats) -> dict[int, EngineReport]:
         """An empty report per client, holding the last stats until this turn's replace them."""

@@ -61,7 +61,8 @@ def render_chat(
     """
     tokenizer = engine.tokenizer
     if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
-        raise ValueError(f"{engine.config.model} has no chat template; use generate() with a raw prompt")
+        raise ValueError("the model has no chat template; send a raw prompt (generate(), /v1/completions) or a "
+                         "chat_template")
     if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
         raise ValueError("a conversation is a list of {'role': ..., 'content': ...} messages")
     if add_generation_prompt and continue_final_message:

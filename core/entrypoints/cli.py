@@ -18,11 +18,17 @@ from hookllm.utils import FlexibleArgumentParser
 PLUGINS_WIDTH = 100  # columns `hookllm plugins` fits in
 
 
-def _generate_parser(subparsers: argparse._SubParsersAction, plugin_manager) -> None:
-    # Plugins add their flags to a parser of their own, which `generate` takes as a parent:
-    # its dests are the flags' names, whose values reach every request as SamplingParams.extra_args.
-    plugin_parser = argparse.ArgumentParser(add_help=False)
-    plugin_manager.all_plugins.hook.add_cli_options(parser=plugin_parser)
+def _plugin_parser(plugin_manager) -> argparse.ArgumentParser:
+    """The installed plugins' flags (``add_cli_options``) on a parser of their own, the parent of
+    ``generate`` and ``serve``: its dests, listed as ``args.plugin_options``, are the flags' names,
+    whose values reach every request as SamplingParams.extra_args."""
+    parser = argparse.ArgumentParser(add_help=False)
+    plugin_manager.all_plugins.hook.add_cli_options(parser=parser)
+    parser.set_defaults(plugin_options=list(vars(parser.parse_args([]))))
+    return parser
+
+
+def _generate_parser(subparsers: argparse._SubParsersAction, plugin_parser: argparse.ArgumentParser) -> None:
     p = subparsers.add_parser("generate", help="generate text for one or more prompts", parents=[plugin_parser],
                               formatter_class=DefaultsHelpFormatter)
     p.add_argument("prompts", nargs="+", metavar="PROMPT", help="a prompt; - reads one from stdin")
@@ -34,7 +40,6 @@ def _generate_parser(subparsers: argparse._SubParsersAction, plugin_manager) -> 
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
     p.add_argument("--no-chat", action="store_true", help="send prompts raw, without the chat template")
     EngineArgs.add_cli_args(p)
-    p.set_defaults(plugin_options=list(vars(plugin_parser.parse_args([]))))
 
 
 def _check_device(device: str) -> None:
@@ -143,12 +148,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _generate_parser(subparsers, plugin_manager)
+    plugin_parser = _plugin_parser(plugin_manager)
+    _generate_parser(subparsers, plugin_parser)
     plugins = subparsers.add_parser("plugins", help="list installed plugins, their hooks and load errors")
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
     from hookllm.server import cli as server_cli
 
-    server_cli.add_parsers(subparsers)
+    server_cli.add_parsers(subparsers, plugin_parser)
     args = parser.parse_args(argv)
     try:
         if args.command == "plugins":

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI
 
 from hookllm.engine.async_llm import AsyncLLM
-from hookllm.server import serving_basic, serving_chat, serving_completion
+from hookllm.server import serving_basic, serving_chat, serving_completion, serving_responses
 from hookllm.server.errors import add_error_handlers, error_response
 from hookllm.server.metrics import ServerMetrics
 from hookllm.server.state import ServerSettings, ServerState
@@ -51,7 +51,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     add_error_handlers(app)
-    for module in (serving_basic, serving_completion, serving_chat):
+    for module in (serving_basic, serving_completion, serving_chat, serving_responses):
         app.include_router(module.router)
     engine.hooks.hook.add_routes(app=app, engine=engine, context=engine.hooks.context)
     return app

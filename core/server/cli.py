@@ -27,14 +27,15 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 SHUTDOWN_MARGIN_S = 30.0
 
 
-def add_parsers(subparsers: argparse._SubParsersAction) -> None:
-    serve = subparsers.add_parser("serve", help="run an OpenAI-compatible HTTP server",
+def add_parsers(subparsers: argparse._SubParsersAction, plugin_parser: argparse.ArgumentParser) -> None:
+    """``plugin_parser``: the installed plugins' flags, which ``serve`` takes as request defaults."""
+    serve = subparsers.add_parser("serve", help="run an OpenAI-compatible HTTP server", parents=[plugin_parser],
                                   formatter_class=DefaultsHelpFormatter)
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="model folder (same as --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback only by default)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--served-model-name", action="append", dest="served_model_names", metavar="NAME",
-                       help="model name(s) clients use (repeatable; default: the model path)")
+                       help="model name(s) clients use (repeatable; default: the hub id, or the model folder's name)")
     serve.add_argument("--api-key", default=os.environ.get("HOOKLLM_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: env HOOKLLM_API_KEY)")
     serve.add_argument("--allowed-local-media-path", type=Path, metavar="DIR",
@@ -46,6 +47,15 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--api-server-count", type=int, default=1, metavar="N",
                        help="API server processes sharing the port and one engine process: more than one when "
                             "a single process's event loop cannot keep up with the streams")
+    serve.add_argument("--tool-call-parser", metavar="NAME", type=_parser_name("register_tool_parsers"),
+                       help="find chat replies' tool calls with this parser (bundled: hermes, llama3_json; "
+                            "plugins add more), for tool_choice 'auto'")
+    serve.add_argument("--reasoning-parser", metavar="NAME", type=_parser_name("register_reasoning_parsers"),
+                       help="split chat replies' reasoning into reasoning_content with this parser "
+                            "(bundled: qwen3, deepseek_r1; plugins add more)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="vLLM's flag, accepted so its command lines run: tool_choice 'auto' is on whenever "
+                            "--tool-call-parser is given, and this flag without it is an error")
     EngineArgs.add_cli_args(serve)
 
     for name, help_ in (("complete", "stream a completion from a running server"),
@@ -62,9 +72,25 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
             client.add_argument("--system", default=None, help="a system message")
 
 
+def _parser_name(hook: str) -> Any:
+    """An argparse ``type``: a parser name that an installed plugin registers through ``hook``."""
+
+    def checked(name: str) -> str:
+        from hookllm.server.reply_parsing import installed_plugins
+
+        try:
+            installed_plugins().parser(hook, name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return name
+
+    return checked
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from hookllm.engine.async_llm import AsyncLLM
     from hookllm.hub import with_local_paths
+    from hookllm.server.tool_calling import with_structured_plugin
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -73,9 +99,12 @@ def run_serve(args: argparse.Namespace) -> int:
     media = args.allowed_local_media_path
     if media is not None and not media.is_dir():
         raise ValueError(f"--allowed-local-media-path {media} is not a folder")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (the parser that reads the calls)")
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     config = with_local_paths(EngineArgs.from_cli_args(args).create_engine_config())
+    config.plugins = with_structured_plugin(config.plugins)
     try:
         if args.api_server_count > 1:
             return _run_api_servers(args, config)
@@ -90,12 +119,17 @@ def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket | None = N
     shared with other API server processes) or else on ``--host`` and ``--port``."""
     import uvicorn
 
+    from hookllm.hub import short_model_name
     from hookllm.server.app import ServerSettings, build_app
 
     media = args.allowed_local_media_path
-    settings = ServerSettings(served_model_names=args.served_model_names or [args.model or engine.config.model],
+    # The model as typed (a hub id stays one: the config holds its snapshot folder); never its path.
+    model = short_model_name(args.model or engine.config.model)
+    settings = ServerSettings(served_model_names=args.served_model_names or [model], model_root=model,
                               api_key=args.api_key or None,
-                              allowed_local_media_path=media.resolve() if media is not None else None)
+                              allowed_local_media_path=media.resolve() if media is not None else None,
+                              plugin_options={name: getattr(args, name) for name in args.plugin_options},
+                              tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     # uvicorn re-raises the SIGTERM/SIGINT it caught once it has shut down: end with status 0
     # then (a clean stop, not a crash) instead of the default handlers' kill or traceback.
     for signum in (signal.SIGTERM, signal.SIGINT):

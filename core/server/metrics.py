@@ -3,7 +3,8 @@
 Under ``hookllm serve --api-server-count N`` each API server process counts its own requests,
 in prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, set by the parent), and
 ``/metrics`` from any of them sums every process's counters and histograms. The engine's gauges
-are read from the stats the engine last reported, the same in every process.
+are read from the stats the engine last reported, the same in every process; its first report
+comes as it starts, so they are right (``hookllm:num_kv_blocks`` the cache's size) before any request.
 """
 
 from __future__ import annotations

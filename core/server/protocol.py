@@ -1,16 +1,20 @@
 """The OpenAI-shaped request and response bodies (pydantic), and their mapping to SamplingParams.
 
-Unknown request fields are ignored, as OpenAI-compatible servers commonly do; the sampling
-fields OpenAI lacks (``top_k``, ``min_p``, ``ignore_eos``, ...) are accepted in the body, which is
-where the openai client's ``extra_body`` puts them.
+The sampling fields OpenAI lacks (``top_k``, ``min_p``, ``ignore_eos``, ...) are accepted in the
+body, which is where the openai client's ``extra_body`` puts them. A body field the request model
+does not declare is kept (``model_extra``): ``ServerState.extra_args`` takes it as a plugin
+option, accepts it if it is null or one of ``IGNORED_FIELDS``, and refuses anything else (400), so
+that no field is ever silently dropped. Objects inside messages stay lenient (unknown keys ignored).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Any, Literal
+import uuid
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from hookllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -20,13 +24,26 @@ from hookllm.sampling_params import SamplingParams, StructuredOutputsParams
 # its caller pays for its own stop strings, and their number never slows the text's search.
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1000
+# The most choices (``n``, and candidates ``best_of``) per prompt: each is an engine request of its
+# own, and a bound keeps one body from filling the batch. (OpenAI takes n up to 128 too.)
+MAX_N = 128
+# OpenAI's body fields that change nothing in an answer, accepted and ignored: each with the values
+# it is accepted with (None: any). ``store`` only as false: the server keeps no completions.
+IGNORED_FIELDS: dict[str, tuple[Any, ...] | None] = {
+    "user": None, "metadata": None, "service_tier": None, "prompt_cache_key": None, "safety_identifier": None,
+    "store": (False,),
+}
 
 
 class OpenAIModel(BaseModel):
+    """A lenient part of a request (a message, a content part): keys it does not name are ignored."""
+
     model_config = ConfigDict(extra="ignore")
 
 
-class StreamOptions(OpenAIModel):
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an option not honoured is a 400 naming it
+
     include_usage: bool = False
 
 
@@ -43,26 +60,34 @@ class ResponseFormat(OpenAIModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingFields(OpenAIModel):
-    """Fields both endpoints map onto SamplingParams."""
+class SamplingFields(BaseModel):
+    """Fields both endpoints map onto SamplingParams; undeclared ones are kept in ``model_extra``."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    # JSON's object keys are strings: pydantic reads them as token ids.
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
     # Not in OpenAI's API (the openai client sends them through extra_body).
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     extra_args: dict[str, Any] | None = None
     # OpenAI's JSON mode / structured outputs, and vLLM's body field; the structured plugin enforces them.
     response_format: ResponseFormat | None = None
@@ -97,19 +122,19 @@ class SamplingFields(OpenAIModel):
             raise ValueError("response_format: type json_schema needs json_schema.schema")
         return StructuredOutputsParams(json=self.response_format.json_schema.json_schema)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError (a 400) for values SamplingParams refuses, and for ``n`` > 1."""
-        if self.n != 1:
-            # The engine runs n > 1 (LLM.generate); the server's choices and streams carry one.
-            raise ValueError(f"n must be 1 here (the server returns one choice per prompt; the offline "
-                             f"LLM API runs n > 1), got {self.n}")
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        extra_args: dict[str, Any]) -> SamplingParams:
+        """Raises ValueError (a 400) for values SamplingParams refuses."""
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, n=self.n,
-            extra_args=self.extra_args or {}, structured_outputs=self.structured_outputs_params(),
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            extra_args=extra_args, structured_outputs=self.structured_outputs_params(),
         )
 
 
@@ -118,6 +143,20 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        extra_args: dict[str, Any]) -> SamplingParams:
+        """With ``best_of`` > ``n``: ``best_of`` completions per prompt, with the logprob that ranks
+        them (their cumulative one); the endpoint returns the ``n`` best (vLLM v0's way)."""
+        params = super().sampling_params(max_tokens, logprobs, extra_args)
+        if self.best_of is None or self.best_of == self.n:
+            return params
+        if self.best_of < self.n:
+            raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+        if self.stream:  # as OpenAI: the best are known only once every candidate has finished
+            raise ValueError(f"best_of ({self.best_of}) > n ({self.n}) cannot be streamed")
+        return dataclasses.replace(params, n=self.best_of, logprobs=0 if logprobs is None else logprobs)
 
 
 class TextPart(OpenAIModel):
@@ -135,10 +174,56 @@ class ImagePart(OpenAIModel):
     image_url: ImageURL
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+def tool_call_id() -> str:
+    """A new tool call's id, shaped as OpenAI's."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class ToolCall(OpenAIModel):
+    """A tool call in an assistant message: in a reply, or in the conversation sent back."""
+
+    id: str = Field(default_factory=tool_call_id)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: str
     content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")  # the chat template sees the definition as sent
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    """``tool_choice`` naming the function to call."""
+
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -147,12 +232,23 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def top_logprobs_needs_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        # As OpenAI: asked without logprobs, it would be silently dropped.
+        if top_logprobs is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top_logprobs
     # hookllm.entrypoints.chat.render_chat's options, as vLLM accepts them.
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
+    # None: "auto" with tools, else "none" (hookllm.server.tool_calling says what each means).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # false: at most one call per reply
 
 
 class UsageInfo(BaseModel):
@@ -206,6 +302,8 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the reply's reasoning section
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -224,9 +322,23 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None  # on a call's first delta
+    arguments: str | None = None  # a piece of the arguments' JSON text
+
+
+class DeltaToolCall(BaseModel):
+    index: int  # the call's place in the reply
+    id: str | None = None  # on a call's first delta, with type
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

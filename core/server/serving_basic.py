@@ -33,7 +33,7 @@ async def show_metrics(request: Request) -> Response:
 @router.get("/v1/models")
 async def show_available_models(request: Request) -> ModelList:
     state = server_state(request)
-    return ModelList(data=[ModelCard(id=name, root=state.engine.config.model, max_model_len=state.max_model_len)
+    return ModelList(data=[ModelCard(id=name, root=state.settings.model_root, max_model_len=state.max_model_len)
                            for name in state.settings.served_model_names])
 
 

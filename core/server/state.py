@@ -4,27 +4,37 @@ body's sampling parameters. Routes reach the state through ``server_state(reques
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 from urllib.parse import unquote, urlparse
 
 from fastapi import Request
+from pydantic import BaseModel
 
 from hookllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError
 from hookllm.outputs import RequestOutput
 from hookllm.sampling_params import SamplingParams
 from hookllm.server.errors import OpenAIError, engine_error
 from hookllm.server.metrics import ServerMetrics
-from hookllm.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from hookllm.server.protocol import IGNORED_FIELDS, ChatCompletionRequest, SamplingFields, TokenizeRequest
 from hookllm.server.streaming import start_streams, tracked
 
 
 @dataclass
 class ServerSettings:
     served_model_names: list[str]
+    model_root: str | None = None  # /v1/models' root: the model's hub id or folder name, never its path
     api_key: str | None = None
     allowed_local_media_path: Path | None = None
+    # Chat replies' parsers, by the names plugins register them under (hookllm.server.reply_parsing).
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    # The installed plugins' flags (their add_cli_options dests) with serve's values: each request's
+    # extra_args start from them, and a body may set each as a top-level field.
+    plugin_options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -44,6 +54,29 @@ class ServerState:
             return names[0]
         raise OpenAIError(404, f"the model {requested!r} does not exist; served: {', '.join(names)}",
                           "NotFoundError", "model", "model_not_found")
+
+    def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The body's ``SamplingParams``; a value they refuse, or a field the server does not know,
+        is a 400 naming the body's field."""
+        extra_args = self.extra_args(body)
+        try:
+            return body.sampling_params(max_tokens, logprobs, extra_args)
+        except ValueError as exc:
+            param = str(exc).split(" ", 1)[0].rstrip(":")
+            raise OpenAIError(400, str(exc), param=param if param in type(body).model_fields else None) from None
+
+    def extra_args(self, body: BaseModel) -> dict[str, Any]:
+        """The request's ``SamplingParams.extra_args``: the server's plugin flags, overridden by the
+        plugin options the body sets as top-level fields, overridden by its ``extra_args`` field.
+        Any other field its model does not declare goes through ``check_ignored`` (a 400 unless
+        harmless), so that none is silently dropped."""
+        options = {}
+        for name, value in (body.model_extra or {}).items():
+            if name in self.settings.plugin_options:
+                options[name] = value
+            else:
+                check_ignored(name, value)
+        return {**self.settings.plugin_options, **options, **(getattr(body, "extra_args", None) or {})}
 
     async def start(self, prompts: list[Any], params: SamplingParams,
                     base_id: str) -> list[AsyncIterator[RequestOutput]]:
@@ -86,6 +119,11 @@ class ServerState:
             for part in message.get("content") if isinstance(message.get("content"), list) else []:
                 if part["type"] == "image_url":
                     part["image_url"]["url"] = self._local_media(part["image_url"]["url"])
+            for call in message.get("tool_calls", []):
+                # Chat templates write the arguments out as an object (tojson, items()): vLLM's
+                # way too. Arguments that are no JSON reach the template as the text they are.
+                with contextlib.suppress(ValueError):
+                    call["function"]["arguments"] = json.loads(call["function"]["arguments"])
         return messages
 
     def _local_media(self, url: str) -> str:
@@ -107,14 +145,17 @@ class ServerState:
         return str(path)
 
 
-def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:
-    """The body's ``SamplingParams``; a value they refuse is a 400 naming the body's field."""
-    try:
-        return body.sampling_params(max_tokens, logprobs)
-    except ValueError as exc:
-        param = str(exc).split(" ", 1)[0].rstrip(":")
-        raise OpenAIError(400, str(exc), param=param if param in type(body).model_fields else None) from None
+def check_ignored(name: str, value: Any) -> None:
+    """A body field that neither the request model nor a plugin declares: accepted (and ignored)
+    when null or one of ``IGNORED_FIELDS`` with a value it takes; otherwise a 400 naming it."""
+    if value is None:
+        return
+    if name not in IGNORED_FIELDS:
+        raise OpenAIError(400, f"unknown field {name!r}: this server does not support it", param=name)
+    accepted = IGNORED_FIELDS[name]
+    if accepted is not None and value not in accepted:
+        raise OpenAIError(400, f"{name}: {value!r} is not supported (accepted only as "
+                          f"{' or '.join(map(repr, accepted))}, and ignored)", param=name)
 
 
 def server_state(request: Request) -> ServerState:

@@ -33,7 +33,7 @@ async def tracked(engine: AsyncLLM, metrics: ServerMetrics, prompt: Any, params:
         async for output in engine.generate(prompt, params, request_id):
             if timer is None:
                 timer = RequestTimer(metrics, len(output.prompt_token_ids))
-            timer.tokens(len(output.outputs[0].token_ids))
+            timer.tokens(sum(len(completion.token_ids) for completion in output.outputs))  # n > 1: several
             if output.finished:
                 reason = output.outputs[0].finish_reason or "stop"
             yield output
@@ -114,6 +114,7 @@ class Result:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Any]] = field(default_factory=list)
+    cumulative_logprob: float | None = None  # of the tokens so far, when logprobs were asked for
     finish_reason: str | None = None
 
     def add(self, output: RequestOutput, completion: CompletionOutput) -> None:
@@ -122,6 +123,8 @@ class Result:
         self.text += completion.text
         self.token_ids += completion.token_ids
         self.logprobs += completion.logprobs or []
+        if completion.cumulative_logprob is not None:  # a delta carries the sum so far (an abort's, none)
+            self.cumulative_logprob = completion.cumulative_logprob
         self.finish_reason = completion.finish_reason or self.finish_reason
 
 

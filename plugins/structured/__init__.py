@@ -41,9 +41,13 @@ def claim_request_parameters() -> RequestParameters:
 
 @hookimpl
 def preprocess_request(request: Any, tokenizer: Any, model_config: Any) -> None:
+    params = request.sampling_params
+    # Unconstrained requests (most, where the server activates the plugin for every request)
+    # return before the backend, and llguidance with it, is imported.
+    if params.structured_outputs is None and "structured_outputs" not in params.extra_args:
+        return
     from hookllm.plugins.structured import backend
 
-    params = request.sampling_params
     try:
         spec = backend.requested_spec(params)
     except ValueError as exc:

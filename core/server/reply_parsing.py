@@ -1,0 +1,90 @@
+"""Chat replies as the API reports them: the reasoning split off first (``--reasoning-parser``),
+then tool calls parsed out of the content (``--tool-call-parser``, or the parsers of
+``tool_choice: "required"`` and a named function), one choice at a time, whole or as deltas.
+
+The parsers are plugins' (``register_tool_parsers``, ``register_reasoning_parsers``), found by
+name among the installed plugins.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from hookllm.plugins.manager import PluginManager
+from hookllm.plugins.reasoning_parsers import ReasoningDelta, ReasoningParser
+from hookllm.plugins.tool_parsers import ParsedDelta, ToolParser
+from hookllm.server.protocol import (ChatResponseMessage, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
+                                     FunctionCall, ToolCall, tool_call_id)
+
+
+@functools.cache
+def installed_plugins() -> PluginManager:
+    """Every installed plugin, found once per process."""
+    return PluginManager()
+
+
+def tool_parser_class(name: str) -> type[ToolParser]:
+    """The tool parser an installed plugin registers as ``name`` (``ValueError`` naming those there are)."""
+    return installed_plugins().parser("register_tool_parsers", name)
+
+
+def reasoning_parser_class(name: str) -> type[ReasoningParser]:
+    """The reasoning parser an installed plugin registers as ``name`` (``ValueError`` naming those there are)."""
+    return installed_plugins().parser("register_reasoning_parsers", name)
+
+
+class ReplyParser:
+    """One choice's reply: ``feed`` its text deltas (``final`` with the last), or ``parse`` it whole.
+
+    ``reasoning`` splits off the reasoning; ``tools`` parses the content that follows; either
+    may be None (the text passes as it is). Calls past ``max_calls`` are dropped
+    (``parallel_tool_calls: false``). Each call gets its id here."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, max_calls: int | None = None):
+        self._reasoning, self._tools, self._max_calls = reasoning, tools, max_calls
+        self._ids: list[str] = []  # by call index
+
+    @property
+    def called(self) -> bool:
+        """Whether the reply has made a tool call so far."""
+        return bool(self._ids)
+
+    def feed(self, text: str, final: bool = False) -> DeltaMessage:
+        reasoning, content, calls = self._split(text, final)
+        return DeltaMessage(content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None)
+
+    def parse(self, text: str) -> ChatResponseMessage:
+        reasoning, content, calls = self._split(text, final=True)
+        tool_calls = [ToolCall(id=call.id, function=FunctionCall(name=call.function.name,
+                                                                 arguments=call.function.arguments))
+                      for call in calls]
+        # As OpenAI: no content (null) beside tool calls or reasoning, rather than "".
+        return ChatResponseMessage(content=content if content or not (tool_calls or reasoning) else None,
+                                   reasoning_content=reasoning or None, tool_calls=tool_calls or None)
+
+    def _split(self, text: str, final: bool) -> tuple[str, str, list[DeltaToolCall]]:
+        """``text``'s reasoning, content and tool call deltas (with ``final``, all that was held back too)."""
+        split = ReasoningDelta(content=text)
+        if self._reasoning is not None:
+            split = self._reasoning.feed(text)
+            if final:
+                split = split.merged(self._reasoning.finish())
+        if self._tools is None:
+            return split.reasoning, split.content, []
+        parsed = self._tools.feed(split.content)
+        if final:
+            parsed = parsed.merged(self._tools.finish())
+        return split.reasoning, parsed.content, self._deltas(parsed)
+
+    def _deltas(self, parsed: ParsedDelta) -> list[DeltaToolCall]:
+        deltas = []
+        for piece in parsed.calls:
+            if self._max_calls is not None and piece.index >= self._max_calls:
+                continue
+            if piece.name is not None:
+                self._ids.append(tool_call_id())
+                deltas.append(DeltaToolCall(index=piece.index, id=self._ids[-1], type="function",
+                                            function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments)))
+            elif piece.arguments:
+                deltas.append(DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments)))
+        return deltas

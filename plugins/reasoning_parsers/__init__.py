@@ -1,0 +1,35 @@
+"""Reasoning parsers: a reasoning model's thinking split from its answer, for ``hookllm serve --reasoning-parser``.
+
+The bundled parsers, registered through ``register_reasoning_parsers`` (a hook called on every
+installed plugin, so they need no ``--plugin``):
+
+- ``qwen3``: Qwen3 begins a reply with ``<think>...</think>`` when it thinks; a reply without
+  ``<think>`` (``enable_thinking=False``) is all content;
+- ``deepseek_r1``: DeepSeek-R1 (and models whose template opens ``<think>`` in the prompt, as
+  QwQ's and Qwen3-Thinking-2507's): the reply begins inside the reasoning, which ``</think>``
+  ends; a reply without ``</think>`` is all reasoning.
+
+The parser API (:class:`ReasoningParser`) is in :mod:`hookllm.plugins.reasoning_parsers.base`,
+re-exported here for plugins that add parsers.
+"""
+
+from __future__ import annotations
+
+from hookllm.plugins.hookspecs import hookimpl
+from hookllm.plugins.reasoning_parsers.base import ReasoningDelta, ReasoningParser, ThinkReasoningParser
+
+__all__ = ["DeepSeekR1ReasoningParser", "Qwen3ReasoningParser", "ReasoningDelta", "ReasoningParser",
+           "ThinkReasoningParser"]
+
+
+class Qwen3ReasoningParser(ThinkReasoningParser):
+    opened = False
+
+
+class DeepSeekR1ReasoningParser(ThinkReasoningParser):
+    opened = True
+
+
+@hookimpl
+def register_reasoning_parsers() -> dict[str, type[ReasoningParser]]:
+    return {"qwen3": Qwen3ReasoningParser, "deepseek_r1": DeepSeekR1ReasoningParser}
