@@ -11,7 +11,12 @@ launch overhead is left out; decode rows also give the eager time per call, whic
 it. Decode batches rotate over disjoint copies of their blocks (several times the 60 MB L2
 per pass), so K/V come from HBM.
 
-    python benchmarks/attention.py [--tune] [--quick]
+With ``--sliding-window [W]`` (W = 4096 when not given), decodes at contexts of 8192 and 32768
+and prefills of 8192 and 16384 tokens run again with a window of W tokens (Mistral, Gemma 2)
+next to the same shapes without it: GB/s count only the K/V in the window, TFLOP/s only the
+scores inside it, and the speed-up is the time without the window over the time with it.
+
+    python benchmarks/attention.py [--tune] [--quick] [--sliding-window [W]]
 
 Writes JSON to $OUT/attention.json when $OUT is set, else to benchmarks/results/.
 """
@@ -42,10 +47,11 @@ DTYPE = torch.bfloat16
 L2_FLUSH_BYTES = 4 * 60 * 2**20
 
 
-def paged_batches(num_seqs: int, q_len: int, seq_len: int, model: str, copies: int = 1) -> list[dict]:
+def paged_batches(num_seqs: int, q_len: int, seq_len: int, model: str, copies: int = 1,
+                  window: int | None = None) -> list[dict]:
     """``copies`` batches of one shape (``num_seqs`` sequences, ``q_len`` new tokens each) whose
     blocks are disjoint and shuffled over one cache, so that running them in turn reads HBM
-    rather than L2."""
+    rather than L2; with ``window``, attended with that sliding window."""
     num_heads, num_kv_heads, head_dim = MODELS[model]
     blocks_per_seq = -(-seq_len // BLOCK_SIZE)
     per_copy = num_seqs * blocks_per_seq
@@ -66,6 +72,7 @@ def paged_batches(num_seqs: int, q_len: int, seq_len: int, model: str, copies: i
             max_query_len=q_len,
             max_seq_len=seq_len,
             scale=head_dim**-0.5,
+            **({} if window is None else dict(sliding_window=window)),
         )
         for c in range(copies)
     ]
@@ -125,24 +132,30 @@ def attention_call(batch: dict, num_splits: int | None = None, config: ta.Attent
     return lambda: ta.paged_attention_with(**args, num_splits=num_splits, config=config)
 
 
-def decode_bytes(batch: int, context: int, model: str) -> int:
-    """Bytes a decode step must move: each sequence's K and V, plus its query and output."""
+def decode_bytes(batch: int, context: int, model: str, window: int | None = None) -> int:
+    """Bytes a decode step must move: each sequence's K and V (those in the window), plus its
+    query and output."""
     num_heads, num_kv_heads, head_dim = MODELS[model]
-    return 2 * batch * context * num_kv_heads * head_dim * 2 + 2 * batch * num_heads * head_dim * 2
+    keys = context if window is None else min(context, window)
+    return 2 * batch * keys * num_kv_heads * head_dim * 2 + 2 * batch * num_heads * head_dim * 2
 
 
-def causal_flops(seqs: int, tokens: int, model: str) -> float:
+def causal_flops(seqs: int, tokens: int, model: str, window: int | None = None) -> float:
+    """Matmul FLOPs of causal attention over fresh prompts: half the square, or with a window
+    the band of width ``window`` under the diagonal."""
     num_heads, _, head_dim = MODELS[model]
-    return 4.0 * seqs * tokens * tokens * num_heads * head_dim / 2
+    width = tokens if window is None else min(window, tokens)
+    return 4.0 * seqs * (tokens * width - width * width / 2) * num_heads * head_dim
 
 
-def bench_decode(model: str, batch: int, context: int) -> dict:
-    nbytes = decode_bytes(batch, context, model)
-    batches = paged_batches(batch, 1, context, model, copies_for(nbytes))
+def bench_decode(model: str, batch: int, context: int, window: int | None = None) -> dict:
+    nbytes = decode_bytes(batch, context, model, window)
+    batches = paged_batches(batch, 1, context, model, copies_for(nbytes), window)
     ms = graph_ms([attention_call(b) for b in batches])
     eager = eager_ms(attention_call(batches[0]))
     kv_heads = MODELS[model][1]
-    splits = ta.num_kv_splits(batch, kv_heads, 1, context, ta.num_sms(torch.device("cuda", torch.cuda.current_device())))
+    keys = context if window is None else min(context, window)
+    splits = ta.num_kv_splits(batch, kv_heads, 1, keys, ta.num_sms(torch.device("cuda", torch.cuda.current_device())))
     return dict(model=model, batch=batch, context=context, ms=ms, eager_ms=eager, gb_per_s=nbytes / (ms * 1e-3) / 1e9,
                 frac_of_peak=nbytes / (ms * 1e-3) / PEAK_BYTES_PER_S, num_splits=splits)
 
@@ -183,6 +196,30 @@ def bench_prefill(model: str, seqs: int, tokens: int) -> dict:
 # prefill (query rows, block_n, warps, stages).
 DECODE_CANDIDATES = [(128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 2, 3), (128, 4, 2), (128, 8, 2)]
 PREFILL_CANDIDATES = [(128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3)]
+
+
+def bench_window(window: int, quick: bool) -> dict:
+    """Long decodes and prefills with a sliding window of ``window`` tokens, each next to the
+    same shape without it."""
+    batches, contexts = ([1, 64], [32768]) if quick else ([1, 16, 64], [8192, 32768])
+    token_counts = [8192] if quick else [8192, 16384]
+    decode, prefill = [], []
+    for model in MODELS:
+        for batch in batches:
+            for context in contexts:
+                row = bench_decode(model, batch, context, window)
+                full_ms = graph_ms([attention_call(b) for b in paged_batches(
+                    batch, 1, context, model, copies_for(decode_bytes(batch, context, model)))])
+                decode.append(dict(row, window=window, full_ms=full_ms, speedup=full_ms / row["ms"]))
+                print("windowed decode", decode[-1], flush=True)
+        for tokens in token_counts:
+            ms = graph_ms([attention_call(paged_batches(1, tokens, tokens, model, window=window)[0])], min_calls=10)
+            full_ms = graph_ms([attention_call(paged_batches(1, tokens, tokens, model)[0])], min_calls=10)
+            tflops = causal_flops(1, tokens, model, window) / (ms * 1e-3) / 1e12
+            prefill.append(dict(model=model, seqs=1, tokens=tokens, window=window, ms=ms, tflops=tflops,
+                                full_ms=full_ms, speedup=full_ms / ms))
+            print("windowed prefill", prefill[-1], flush=True)
+    return dict(window=window, decode=decode, prefill=prefill)
 
 
 def tune() -> dict:
@@ -229,10 +266,27 @@ def tables(decode: list[dict], prefill: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def window_tables(result: dict) -> str:
+    lines = [f"sliding window {result['window']}", "",
+             "| model | batch | context | splits | GPU time (us) | GB/s in window | without window (us) | speed-up |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["decode"]:
+        lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['num_splits']} | {r['ms'] * 1e3:.1f} "
+                     f"| {r['gb_per_s']:.0f} | {r['full_ms'] * 1e3:.1f} | {r['speedup']:.2f}x |")
+    lines += ["", "| model | seqs | tokens | GPU time (ms) | TFLOP/s in window | without window (ms) | speed-up |",
+              "|---|---|---|---|---|---|---|"]
+    for r in result["prefill"]:
+        lines.append(f"| {r['model']} | {r['seqs']} | {r['tokens']} | {r['ms']:.3f} | {r['tflops']:.0f} "
+                     f"| {r['full_ms']:.3f} | {r['speedup']:.2f}x |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", action="store_true", help="also time candidate configs and split counts")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
+    parser.add_argument("--sliding-window", type=int, nargs="?", const=4096, metavar="W",
+                        help="also time long decodes and prefills with a sliding window of W tokens (default 4096)")
     add_out_argument(parser)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -264,10 +318,14 @@ def main() -> None:
                 prefill.append(bench_prefill(model, seqs, tokens))
                 print("prefill", prefill[-1], flush=True)
     result.update(decode=decode, prefill=prefill)
+    if args.sliding_window:
+        result["sliding_window"] = bench_window(args.sliding_window, args.quick)
 
     write_result("attention", result, args.out)
     print(f"\n{result['device']}  {result['date']}  commit {result['commit']}\n")
     print(tables(decode, prefill))
+    if args.sliding_window:
+        print("\n" + window_tables(result["sliding_window"]))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,17 @@ SHAPES = {
     "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
                          tie_word_embeddings=False, max_position_embeddings=4096, rope_theta=500000.0),
+    # Sliding-window shapes (served through the transformers backend): Gemma 2 alternates 4,096-token
+    # windows with full layers and soft-caps attention and final logits; Gemma 3's 1B has 5 layers
+    # with 512-token windows per full layer, so workload A's contexts outgrow its windows.
+    "gemma-2-2b": dict(model_type="gemma2", hidden_size=2304, num_hidden_layers=26, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=256, intermediate_size=9216, vocab_size=256000,
+                       sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                       final_logit_softcapping=30.0, tie_word_embeddings=True, max_position_embeddings=8192),
+    "gemma-3-1b": dict(model_type="gemma3_text", hidden_size=1152, num_hidden_layers=26, num_attention_heads=4,
+                       num_key_value_heads=1, head_dim=256, intermediate_size=6912, vocab_size=262144,
+                       sliding_window=512, query_pre_attn_scalar=256, tie_word_embeddings=True,
+                       max_position_embeddings=32768),
 }
 
 

@@ -44,17 +44,32 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads], fp32 or the model dtype
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks and decodes) over the paged cache.
 
     Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; these are its
-    last ``q_len`` tokens, so query row ``j`` sits at position ``seq_len - q_len + j`` and sees
-    cache positions ``0..that position``. The new tokens' K/V must already be stored. Query
-    heads are grouped onto KV heads (GQA): head ``h`` reads KV head ``h // (num_heads //
-    num_kv_heads)``. Softmax runs in fp32; the output has the query's dtype.
+    last ``q_len`` tokens, so query row ``j`` sits at position ``p = seq_len - q_len + j`` and
+    sees cache positions ``0..p``. The new tokens' K/V must already be stored. Query heads are
+    grouped onto KV heads (GQA): head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+    Scores are ``scale * q.k`` (models with ``query_pre_attn_scalar`` pass their own scale);
+    softmax runs in fp32; the output has the query's dtype. The variants real models use:
+
+    * ``sliding_window = W``: position ``p`` sees only keys ``p - W < k <= p`` (``W`` tokens,
+      itself included: transformers' ``sliding_window``). Keys before the window of a
+      sequence's first query row are never read, so their blocks may have been freed and
+      their block-table entries may be -1 or point at any block, holding anything (NaN included).
+    * ``softcap = c`` (Gemma 2): scores become ``c * tanh(s / c)``, ``s`` the scaled scores,
+      before masking and softmax.
+    * ``sinks`` (gpt-oss): one logit per query head, ``[num_heads]``, that joins the softmax's
+      denominator only: ``probs_k = exp(s_k - m) / (sum_j exp(s_j - m) + exp(sink - m))``,
+      ``m`` the maximum over the visible scores and the sink.
     """
     num_tokens, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
@@ -64,20 +79,45 @@ def paged_attention(
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        num_blocks = (seq_len + block_size - 1) // block_size
-        blocks = block_tables[i, :num_blocks].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        q = query[q_start:q_end].float().transpose(0, 1)  # [H, q_len, D]
-        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, seq_len, D]
-        v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q_len, seq_len]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
-        scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        first_key = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
+        k, v = _gather_keys(k_cache, v_cache, block_tables[i], first_key, seq_len)
+        k_pos = torch.arange(first_key, seq_len, device=query.device)
+        q = query[q_start:q_end].float().transpose(0, 1)  # [H, q_len, D]
+        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, keys, D]
+        v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q_len, keys]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        hidden = k_pos[None, :] > q_pos[:, None]
+        if sliding_window is not None:
+            hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
+        probs = _softmax_with_sinks(scores, sinks)
         out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)
     return out
+
+
+def _gather_keys(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, first: int,
+                 end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[end - first, num_kv_heads, head_dim]`` of one sequence's positions ``first..end-1``;
+    the blocks before ``first``'s are not read."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    first_block = first // block_size
+    blocks = block_table[first_block : -(-end // block_size)].long()
+    offset = first_block * block_size
+    k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[first - offset : end - offset]
+    v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[first - offset : end - offset]
+    return k, v
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of ``scores`` ``[heads, q_len, keys]``, each head's sink logit
+    (if any) joining the denominator as one more key whose value is never read."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 # The sampler's noise: a counter-based hash (murmur3's 32-bit finalizer) of a row's key and the

@@ -7,11 +7,17 @@ layout). One attention kernel serves prefill chunks, decodes and mixed batches:
   query tile stacks the ``group`` query heads that share that KV head, ``[BLOCK_M * group,
   head_dim]`` rows, so every KV tile is read once per KV head (GQA) and fed to tensor cores.
 * KV tiles of ``BLOCK_N`` keys are gathered through the block table independently of the
-  cache's ``block_size``; tiles that lie wholly before the diagonal skip the causal mask.
+  cache's ``block_size``; tiles that lie wholly before the diagonal (and, with a sliding
+  window, wholly inside every row's window) skip the mask. With a window, tiles wholly before
+  every row's window are not visited, and keys before it are never loaded, so their blocks
+  may hold anything.
+* The variants (sliding window, logit soft-capping, attention sinks) are constexpr flags: the
+  plain kernel is compiled as before, and a model compiles each variant its layers use once.
 * Softmax is online (flash-attention style) in fp32, in base 2 with the scale folded in.
 * Split-K (flash-decoding): when a decode-only batch has too few (sequence, KV head) pairs
-  to fill the GPU, each pair's keys are cut into ``num_splits`` ranges handled by separate
-  programs that write partial results; a second kernel merges them.
+  to fill the GPU, each pair's keys (those in its window) are cut into ``num_splits`` ranges
+  handled by separate programs that write partial results; a second kernel merges them and
+  adds the sinks.
 
 Nothing here reads device tensors on the host: grid sizes come from tensor shapes and the
 python ints ``max_query_len`` / ``max_seq_len``.
@@ -28,6 +34,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # the kernels' copy: they may read only constexpr globals
 # By head_dim (64 also serves smaller ones), tuned on an H200 at bf16:
 # decode (block_n, num_warps, num_stages); prefill (query rows, block_n, num_warps, num_stages).
 _DECODE_CONFIGS = {64: (128, 4, 3), 128: (64, 4, 2), 256: (32, 4, 2)}
@@ -106,22 +113,36 @@ def _find_seq(query_start_loc_ptr, block_idx, num_seqs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh through exp of a non-positive number, which cannot overflow (the interpreter has no
+    libdevice tanh)."""
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q, q_pos,
-    k_base, v_base, block_table_row, lo, hi, kv_end, qk_scale, offs_d, d_ok,
+    k_base, v_base, block_table_row, lo, hi, kv_start, kv_end, qk_scale, cap, window, offs_d, d_ok,
     stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-    CAUSAL_MASK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) over keys ``lo..hi`` in tiles of BLOCK_N.
 
-    With CAUSAL_MASK the tiles may reach past the diagonal or ``kv_end`` and are masked;
-    without it every key in range is visible to every query row."""
+    Scores are ``dot * qk_scale`` in base 2, or with USE_SOFTCAP ``cap * tanh(dot * qk_scale)``.
+    With MASKED the tiles may reach past a row's diagonal, before its window or outside
+    ``kv_start..kv_end`` (keys there are not loaded: they read as 0 and are masked); without
+    it every key in range is visible to every query row."""
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
-        if CAUSAL_MASK:
+        if MASKED:
             in_range = pos < kv_end
+            if USE_WINDOW:
+                in_range = in_range & (pos >= kv_start)
             block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=in_range, other=0)
             kv_mask = in_range[:, None] & d_ok[None, :]
         else:
@@ -138,8 +159,13 @@ def _attend_tiles(
             mask=kv_mask, other=0.0,
         )
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
-        if CAUSAL_MASK:
-            s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        if USE_SOFTCAP:
+            s = cap * _tanh(s)
+        if MASKED:
+            visible = pos[None, :] <= q_pos[:, None]
+            if USE_WINDOW:
+                visible = visible & (pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -150,13 +176,14 @@ def _attend_tiles(
 
 
 # Arguments that change from step to step are not specialized (Triton otherwise compiles a new
-# variant when an int turns 1 or a multiple of 16: seconds of compiling in the middle of serving).
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+# variant when an int turns 1 or a multiple of 16: seconds of compiling in the middle of serving);
+# nor is the window, so that every window size shares one variant.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    num_seqs, num_heads, qk_scale,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
+    num_seqs, num_heads, qk_scale, cap, window,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -165,10 +192,12 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ONE_BLOCK_PER_SEQ: tl.constexpr, SPLIT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid: (query blocks, KV heads, splits). Writes the normalised output, or with SPLIT the
-    unnormalised partial sums, running max and denominator of this program's key range."""
+    unnormalised partial sums, running max and denominator of this program's key range (the
+    sinks are then the merge's to add: USE_SINKS only without SPLIT)."""
     kv_head = tl.program_id(1)
     if ONE_BLOCK_PER_SEQ:
         seq = tl.program_id(0)
@@ -199,34 +228,57 @@ def _paged_attention_kernel(
         mask=io_mask, other=0.0,
     ).to(DOT_DTYPE)
 
-    # Keys this block attends to: 0..kv_end; before `unmasked_end` no row needs the causal mask.
+    # Keys this block attends to: kv_start..kv_end, kv_start the first key in the window of its
+    # first row (0 without a window); before `unmasked_end` no row needs the causal mask.
+    q_first = context_len + q_block * BLOCK_M
     kv_end = context_len + tl.minimum((q_block + 1) * BLOCK_M, q_len)
-    unmasked_end = (context_len + q_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+    unmasked_end = (q_first + 1) // BLOCK_N * BLOCK_N
+    if USE_WINDOW:
+        kv_start = tl.maximum(q_first - window + 1, 0)
+        first_tile = kv_start // BLOCK_N * BLOCK_N  # the tiles before it are skipped
+    else:
+        kv_start = 0
+        first_tile = 0
     if SPLIT:
         split = tl.program_id(2)
-        split_len = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), tl.num_programs(2)) * BLOCK_N
-        lo = split * split_len
+        split_len = tl.cdiv(tl.cdiv(kv_end - first_tile, BLOCK_N), tl.num_programs(2)) * BLOCK_N
+        lo = first_tile + split * split_len
         hi = tl.minimum(lo + split_len, kv_end)
     else:
-        lo = 0
+        lo = first_tile
         hi = kv_end
     mid = tl.minimum(tl.maximum(unmasked_end, lo), hi)
 
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-    m_i = tl.full([BLOCK_R], -1e30, dtype=tl.float32)  # finite: fully masked rows stay NaN-free
+    if USE_SINKS:
+        # The sink as one more key, of value 0: the running max starts at it, the denominator at 1.
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * _LOG2E
+        l_i = tl.full([BLOCK_R], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_R], -1e30, dtype=tl.float32)  # finite: fully masked rows stay NaN-free
+        l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
+    if USE_WINDOW:
+        # Keys from kv_end - window on lie in every row's window; the tiles before need its mask.
+        window_end = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N, lo), hi)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, k_base, v_base, block_table_row, lo, window_end, kv_start, kv_end,
+            qk_scale, cap, window, offs_d, d_ok, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+            True, USE_WINDOW, USE_SOFTCAP, BLOCK_N, BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
+        )
+        lo = window_end
+        mid = tl.maximum(mid, window_end)
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, block_table_row, lo, mid, kv_end, qk_scale,
-        offs_d, d_ok, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        False, BLOCK_N, BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
+        acc, l_i, m_i, q, q_pos, k_base, v_base, block_table_row, lo, mid, kv_start, kv_end,
+        qk_scale, cap, window, offs_d, d_ok, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+        False, USE_WINDOW, USE_SOFTCAP, BLOCK_N, BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
     )
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, block_table_row, mid, hi, kv_end, qk_scale,
-        offs_d, d_ok, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        True, BLOCK_N, BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
+        acc, l_i, m_i, q, q_pos, k_base, v_base, block_table_row, mid, hi, kv_start, kv_end,
+        qk_scale, cap, window, offs_d, d_ok, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+        True, USE_WINDOW, USE_SOFTCAP, BLOCK_N, BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
     )
 
     if SPLIT:
@@ -244,12 +296,13 @@ def _paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, sinks_ptr,
     num_heads, num_splits,
     stride_ot, stride_oh, stride_od,
-    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_SINKS: tl.constexpr,
 ):
-    """Grid: (tokens, heads). Rescales each split's partial sums to the global max and normalises."""
+    """Grid: (tokens, heads). Rescales each split's partial sums to the global max (over the
+    splits and the head's sink) and normalises, the sink joining the denominator."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -257,10 +310,17 @@ def _merge_splits_kernel(
     part = (token * num_heads + head) * num_splits + splits
     m = tl.load(part_m_ptr + part, mask=split_ok, other=float("-inf"))
     l = tl.load(part_l_ptr + part, mask=split_ok, other=0.0)
-    w = tl.exp2(m - tl.max(m, 0))
+    m_max = tl.max(m, 0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
+        m_max = tl.maximum(m_max, sink)
+    w = tl.exp2(m - m_max)
+    denominator = tl.sum(l * w, 0)
+    if USE_SINKS:
+        denominator = denominator + tl.exp2(sink - m_max)
     offs_d = tl.arange(0, BLOCK_D)
     acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=split_ok[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / denominator
     tl.store(
         out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
         out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM,
@@ -337,6 +397,10 @@ def paged_attention_with(
     scale: float,
     num_splits: int,
     config: AttentionConfig,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_attention`` with an explicit split count and launch config (tests, tuning)."""
     num_tokens, num_heads, head_dim = query.shape
@@ -345,6 +409,8 @@ def paged_attention_with(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if block_size % 16:
         raise ValueError(f"block_size must be a multiple of 16, got {block_size}")
+    if sinks is not None and tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks must have shape ({num_heads},), got {tuple(sinks.shape)}")
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
@@ -362,24 +428,30 @@ def paged_attention_with(
         part_acc = torch.empty((num_tokens, num_heads, num_splits, block_d), dtype=torch.float32, device=query.device)
     else:
         part_m = part_l = part_acc = out  # unused
+    # With a softcap the kernel computes softcap * LOG2E * tanh(dot * scale / softcap).
+    qk_scale = scale * LOG2E if softcap is None else scale / softcap
+    cap = 0.0 if softcap is None else softcap * LOG2E
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_acc, part_m, part_l,
-        block_tables, seq_lens, query_start_loc,
-        num_seqs, num_heads, scale * LOG2E,
+        block_tables, seq_lens, query_start_loc, None if split else sinks,
+        num_seqs, num_heads, qk_scale, cap, 0 if sliding_window is None else sliding_window,
         *query.stride(), *out.stride(), *k_cache.stride()[:4], *v_cache.stride()[:4],
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad,
         BLOCK_M=block_m, BLOCK_R=max(16, block_m * group_pad), BLOCK_N=config.block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         ONE_BLOCK_PER_SEQ=one_block_per_seq, SPLIT=split,
+        USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
+        USE_SINKS=sinks is not None and not split,
         DOT_DTYPE=_dot_dtype(query.dtype),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            part_acc, part_m, part_l, out, num_heads, num_splits, *out.stride(),
+            part_acc, part_m, part_l, out, sinks, num_heads, num_splits, *out.stride(),
             SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            USE_SINKS=sinks is not None,
             num_warps=4 if head_dim >= 128 else 2,
         )
     return out
@@ -395,18 +467,24 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of a mixed batch (prefill chunks and decodes) over the paged cache.
+    """Causal attention of a mixed batch (prefill chunks and decodes) over the paged cache,
+    optionally with a sliding window, logit soft-capping and attention sinks.
 
     See :func:`hookllm.kernels.reference.paged_attention` for the exact semantics. Picks the
-    split-K path for decode-only batches that would not fill the GPU on their own."""
+    split-K path for decode-only batches that would not fill the GPU on their own (a decode
+    reads at most ``sliding_window`` keys)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
-    num_splits = num_kv_splits(
-        seq_lens.shape[0], num_kv_heads, max_query_len, max_seq_len, num_sms(query.device)
-    )
+    keys = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+    num_splits = num_kv_splits(seq_lens.shape[0], num_kv_heads, max_query_len, keys, num_sms(query.device))
     config = default_config(head_dim, num_heads // num_kv_heads, max_query_len)
     return paged_attention_with(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         max_query_len, scale, num_splits, config,
+        sliding_window=sliding_window, softcap=softcap, sinks=sinks,
     )

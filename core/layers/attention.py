@@ -13,7 +13,12 @@ from hookllm.forward_context import get_forward_context
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None):
+    """Causal GQA attention over the paged cache, with this layer's variants: a sliding window of
+    ``sliding_window`` tokens (itself included) and Gemma 2's logit soft-capping ``softcap``.
+    :func:`hookllm.kernels.reference.paged_attention` gives the exact semantics."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None, *,
+                 sliding_window: int | None = None, softcap: float | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -21,12 +26,21 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads or num_heads
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+        if softcap is not None and softcap <= 0:
+            raise ValueError(f"softcap must be positive, got {softcap}")
+        self.sliding_window = sliding_window
+        self.softcap = softcap
         # [num_blocks, block_size, num_kv_heads, head_dim] each; empty until the worker binds them.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, num_heads * head_dim]; k, v: [T, num_kv_heads * head_dim] -> [T, num_heads * head_dim]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, num_heads * head_dim]; k, v: [T, num_kv_heads * head_dim] -> [T, num_heads * head_dim].
+
+        ``sinks``: this layer's attention-sink logits ``[num_heads]`` (gpt-oss), owned by the model."""
         ctx = get_forward_context()
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -36,5 +50,6 @@ class Attention(nn.Module):
         out = ctx.backend.paged_attention(
             q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
             ctx.max_query_len, ctx.max_seq_len, self.scale,
+            sliding_window=self.sliding_window, softcap=self.softcap, sinks=sinks,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)
