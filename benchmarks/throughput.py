@@ -127,9 +127,10 @@ def summarize(name: str, seconds: float, prompts: list[list[int]], max_tokens: l
 
 
 def engine_kwargs(args) -> dict:
+    impl = {} if args.model_impl is None else dict(model_impl=args.model_impl)
     if args.tiny:
-        return dict(device="cpu", dtype="float32")
-    return dict(max_cuda_graph_tokens=args.max_cuda_graph_tokens)
+        return dict(device="cpu", dtype="float32", **impl)
+    return dict(max_cuda_graph_tokens=args.max_cuda_graph_tokens, **impl)
 
 
 def start_llm(path: Path, args, max_model_len: int, enforce_eager: bool = False) -> tuple[object, dict]:
@@ -413,6 +414,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=None, help="default: 256 for A, 2048 for short")
     parser.add_argument("--peer-requests", type=int, default=None,
                         help="run the transformers peers on only the first N requests (device time)")
+    parser.add_argument("--model-impl", default=None, choices=["native", "transformers"],
+                        help="the model's implementation (default: the engine's choice, native where one exists)")
     parser.add_argument("--skip-cb", action="store_true")
     parser.add_argument("--skip-static", action="store_true")
     parser.add_argument("--eager-too", action="store_true", help="also time hookllm with enforce_eager")

@@ -16,6 +16,8 @@ DTYPES = {
 }
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 PREEMPTION_MODES = ("recompute", "swap")
+# "transformers" is the bundled fallback plugin (hookllm.adapters.transformers; docs/models.md).
+MODEL_IMPLS = ("auto", "native", "transformers")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -58,6 +60,35 @@ def text_config_of(hf_config: Any) -> Any:
     return getattr(hf_config, "text_config", None) or hf_config
 
 
+def layer_sliding_windows(text_config: Any) -> list[int | None]:
+    """Each decoder layer's sliding window in tokens (the query itself included), None for a
+    layer attending to its whole prefix.
+
+    transformers 5 configs list ``layer_types`` ("sliding_attention" layers use ``sliding_window``;
+    Gemma 2/3, gpt-oss, Qwen2 with ``use_sliding_window``); configs without it (Mistral v0.1, a
+    raw config) give every layer ``sliding_window`` unless ``use_sliding_window`` is false.
+    """
+    window = getattr(text_config, "sliding_window", None)
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None:
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    if getattr(text_config, "use_sliding_window", True) is False:
+        window = None
+    # A third-party config may name no layer count: one entry then stands for every layer.
+    return [window] * getattr(text_config, "num_hidden_layers", 1)
+
+
+def uniform_sliding_window(text_config: Any, max_model_len: int) -> int | None:
+    """The KV cache spec: W when every layer slides over the same W tokens, shorter than
+    ``max_model_len``, else None (some layer reads the whole prefix, or no window ever slides):
+    only then can a sequence's blocks before its window be freed."""
+    windows = set(layer_sliding_windows(text_config))
+    if len(windows) != 1:
+        return None
+    window = windows.pop()
+    return window if window is not None and window < max_model_len else None
+
+
 @dataclass
 class ModelConfig:
     path: str
@@ -67,6 +98,9 @@ class ModelConfig:
     max_model_len: int
     plugin: str | None = None  # the plugin whose registered class serves ``architecture``
     load_format: str = "auto"  # EngineConfig.load_format: "dummy" loads random weights
+    # W when every attention layer has the same sliding window of W tokens (uniform_sliding_window):
+    # the scheduler then frees a sequence's KV blocks that fall out of its window.
+    sliding_window: int | None = None
 
     @classmethod
     def from_path(cls, path: str, dtype: torch.dtype, max_model_len: int | None) -> "ModelConfig":
@@ -80,7 +114,8 @@ class ModelConfig:
             max_model_len = limit or 2048
         elif limit and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
-        return cls(str(path), hf_config, architectures[0], dtype, int(max_model_len))
+        return cls(str(path), hf_config, architectures[0], dtype, int(max_model_len),
+                   sliding_window=uniform_sliding_window(text, int(max_model_len)))
 
 
 def _option(default: Any, help: str, **extra: Any) -> Any:
@@ -99,6 +134,9 @@ class EngineConfig:
 
     model: str = _option(None, "model folder (config.json + safetensors); default: SmolLM2-135M-Instruct")
     plugins: list[str] = _option(list, "activate an installed plugin (repeatable)", flag="--plugin", metavar="NAME")
+    model_impl: str = _option("auto", "which implementation serves the checkpoint's architecture: auto (a plugin's "
+                              "native one, else the transformers fallback), native, or transformers (the "
+                              "transformers modeling backend, for any causal LM)", choices=list(MODEL_IMPLS))
     dtype: str = _option("auto", "weights and activations dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
     device: str = _option("auto", "auto, cpu, cuda or cuda:N")
     max_model_len: int | None = _option(None, "longest prompt + output in tokens (default: the model's positions)")
@@ -151,6 +189,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if not self.swap_space >= 0:  # also refuses NaN

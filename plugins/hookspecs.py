@@ -59,6 +59,10 @@ def register_models(registry: ScopedRegistry) -> None:
         @hookimpl
         def register_models(registry):
             registry.register("GPT2LMHeadModel", "hookllm_gpt2.model:GPT2LMHeadModel")
+
+    ``registry.register_fallback(target, claims, description=...)`` serves instead every
+    architecture ``claims(name)`` accepts that no plugin registers by name, as the bundled
+    ``transformers`` plugin does; ``--model-impl`` chooses between the two (docs/models.md).
     """
 
 

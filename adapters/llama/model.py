@@ -15,6 +15,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from hookllm.config import layer_sliding_windows
 from hookllm.layers import (
     Attention, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm, RowParallelLinear,
     SiluAndMul, VocabParallelEmbedding, get_rope,
@@ -31,7 +32,7 @@ def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, rotary_emb: nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, rotary_emb: nn.Module, sliding_window: int | None):
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
@@ -47,7 +48,8 @@ class DecoderAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads,
+                              sliding_window=sliding_window)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -73,9 +75,9 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, rotary_emb: nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, rotary_emb: nn.Module, sliding_window: int | None):
         super().__init__()
-        self.self_attn = DecoderAttention(config, qkv_bias, qk_norm, rotary_emb)
+        self.self_attn = DecoderAttention(config, qkv_bias, qk_norm, rotary_emb, sliding_window)
         self.mlp = DecoderMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -101,8 +103,9 @@ class DecoderModel(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         base, scaling = rope_settings(config)
         rotary_emb = get_rope(head_dim, config.max_position_embeddings, base, scaling)
+        # Mistral v0.1 slides every layer; Qwen2 with use_sliding_window only those from max_window_layers.
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, qk_norm, rotary_emb) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, qkv_bias, qk_norm, rotary_emb, window) for window in layer_sliding_windows(config)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -74,7 +74,8 @@ class EngineCore:
         # One rank: the worker lives here. Several: one process per rank, fed the same snapshots.
         self.worker = (Worker(config, model_config, hooks, registry)
                        if config.tensor_parallel_size == 1 else MultiprocWorkers(config))
-        self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                          model_config.sliding_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    eos_token_ids(model_config, tokenizer), config.preemption_mode,
                                    self.worker.num_host_blocks)
@@ -99,9 +100,7 @@ class EngineCore:
         never fit in the cache."""
         manager = self.block_manager
         first = requests[0]
-        shared = (first.num_prompt_tokens // manager.block_size
-                  if len(requests) > 1 and manager.enable_prefix_caching else 0)
-        needed = shared + sum(manager.blocks_needed(r.max_num_tokens) - shared for r in requests)
+        needed = manager.blocks_to_fit(requests, self.scheduler.max_num_batched_tokens)
         if needed > manager.num_blocks:
             what = (f"prompt plus max_tokens ({first.max_num_tokens} tokens)" if len(requests) == 1 else
                     f"n={len(requests)} completions of up to {first.max_num_tokens} tokens")

@@ -114,6 +114,8 @@ def _stream(llm, requests: list, params, headings: list[str] | None) -> None:
 
 
 def _run_plugins(args: argparse.Namespace, plugin_manager) -> int:
+    registry = plugin_manager.registry
+    fallbacks = registry.fallbacks
     rows = [
         {
             "name": info.name,
@@ -122,6 +124,8 @@ def _run_plugins(args: argparse.Namespace, plugin_manager) -> int:
             "hooks": info.hooks,
             "architectures": info.architectures,
             "error": info.error,
+            # Only a plugin that registered a fallback has this key: what the fallback claims.
+            **({"fallback": fallbacks[info.name]} if info.name in fallbacks else {}),
         }
         for info in sorted(plugin_manager.plugins.values(), key=lambda i: i.name)
     ]
@@ -133,11 +137,23 @@ def _run_plugins(args: argparse.Namespace, plugin_manager) -> int:
         package = f"{r['distribution']} {r['version']}".strip()
         print(f"{r['name']} ({package})" if package else r["name"])
         for label, value in (("hooks", ", ".join(r["hooks"])), ("architectures", ", ".join(r["architectures"])),
-                             ("error", r["error"])):
+                             ("fallback", r.get("fallback")), ("error", r["error"])):
             if value:
-                print(textwrap.fill(value, PLUGINS_WIDTH, initial_indent=f"  {label + ':':<15}",
-                                    subsequent_indent=" " * 17, break_on_hyphens=False))
+                print(_wrapped(value, f"  {label + ':':<15}"))
+    # Who serves what: a native registration first, a fallback for everything else.
+    print("\nserved by (--model-impl auto):")
+    served = [(architecture, registry.explain(architecture)) for architecture in registry.architectures]
+    served += [("any other architecture", f"{plugin} (fallback)") for plugin in fallbacks]
+    width = max((len(architecture) for architecture, _ in served), default=0) + 4
+    for architecture, how in served:
+        print(_wrapped(how, f"  {architecture:<{width - 2}}"))
     return 0
+
+
+def _wrapped(text: str, head: str) -> str:
+    """``text`` after ``head``, wrapped to the listing's width under itself."""
+    return textwrap.fill(text, PLUGINS_WIDTH, initial_indent=head, subsequent_indent=" " * len(head),
+                         break_on_hyphens=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,7 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     plugin_parser = _plugin_parser(plugin_manager)
     _generate_parser(subparsers, plugin_parser)
-    plugins = subparsers.add_parser("plugins", help="list installed plugins, their hooks and load errors")
+    plugins = subparsers.add_parser("plugins", help="list installed plugins, their hooks and load errors, and "
+                                    "which plugin serves each architecture")
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
     from hookllm.server import cli as server_cli
 

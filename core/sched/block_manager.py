@@ -8,6 +8,12 @@ findable by that hash until it is reused, least recently freed first. Only a blo
 request is ever written: a request about to write into a block it shares (the partial last block
 of a fork) gets a private copy first (copy-on-write), which the worker makes before the step's
 forward.
+
+With a sliding window of W tokens in every layer (``sliding_window``), a query at position p
+reads keys p - W + 1 .. p only, so a sequence's blocks wholly before its next query's window
+are freed as it advances: its block table keeps them as the null block (block 0, reserved,
+never written), which the kernels never read. Such a request holds at most a chunk's blocks
+plus the W - 1 tokens before it (``peak_blocks``).
 """
 
 from __future__ import annotations
@@ -53,13 +59,19 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 sliding_window: int | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
+        # With a window, the entries of blocks before it point at block 0, kept out of the free
+        # list; without one, no entry is null and block 0 is an ordinary block.
+        self.null_block = 0 if sliding_window is not None else None
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Blocks no request holds, least recently freed first: a cached one among them is evicted
         # (loses its hash) only when it is taken for new tokens.
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(
+            range(0 if self.null_block is None else 1, num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
         # (source, destination) block pairs the worker must copy before the next step runs.
         self.pending_copies: list[tuple[int, int]] = []
@@ -70,7 +82,8 @@ class BlockManager:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        """Blocks requests can hold (the null block is not one)."""
+        return len(self.blocks) - (self.null_block is not None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -79,6 +92,39 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def peak_blocks(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """The most blocks a request of up to ``num_tokens`` tokens holds at once when a step
+        computes at most ``max_chunk_tokens`` of it: every block without a window; with one, those
+        under a chunk and the W - 1 tokens before it, however they straddle block boundaries."""
+        blocks = self.blocks_needed(num_tokens)
+        if self.sliding_window is None:
+            return blocks
+        live_tokens = self.sliding_window - 1 + min(max_chunk_tokens, num_tokens)
+        return min(blocks, self.blocks_needed(live_tokens + self.block_size - 1))
+
+    def blocks_to_fit(self, requests: list[Request], max_chunk_tokens: int) -> int:
+        """The most blocks the completions of one user request (one, or ``n`` sharing a prompt)
+        hold together: if the cache has fewer, they could never all run."""
+        first = requests[0]
+        # Under prefix caching the children share the prompt's full blocks (all of them: an upper bound).
+        shared = (first.num_prompt_tokens // self.block_size
+                  if len(requests) > 1 and self.enable_prefix_caching else 0)
+        whole = shared + sum(self.blocks_needed(r.max_num_tokens) - shared for r in requests)
+        return min(whole, sum(self.peak_blocks(r.max_num_tokens, max_chunk_tokens) for r in requests))
+
+    def _window_start(self, position: int) -> int:
+        """The first block a query at ``position`` (or later) may read: 0 without a window."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, (position - self.sliding_window + 1) // self.block_size)
+
+    def _live(self, block_ids: Sequence[int]) -> list[int]:
+        return [block_id for block_id in block_ids if block_id != self.null_block]
+
+    def live_block_ids(self, request: Request) -> list[int]:
+        """The blocks the request holds, in order (its block-table entries that are not null)."""
+        return self._live(request.block_ids)
 
     # -- prefix cache -------------------------------------------------------------------------
 
@@ -105,19 +151,26 @@ class BlockManager:
         return hashes[:num_blocks]
 
     def find_cached_prefix(self, request: Request) -> list[int]:
-        """Block ids of the longest cached run of the request's full blocks from its start.
+        """Block ids standing for the longest run of the request's full blocks it need not compute.
 
-        The last known token is never covered, so the request still computes a row to sample from.
+        Without a window: the longest cached run from its start. With one: the longest run
+        whose blocks a query right after it reads (the last ceil((W - 1) / block_size)) are all
+        cached; the entries before those are the null block. A block's hash chains every token
+        before it, so a cached block holds this request's K/V whatever happened to its
+        predecessors. The last known token is never covered, so the request still computes a
+        row to sample from.
         """
         if not self.enable_prefix_caching:
             return []
-        hits = []
-        for block_hash in self.block_hashes(request, (len(request.all_token_ids) - 1) // self.block_size):
-            block_id = self.cached.get(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        found = [self.cached.get(block_hash) for block_hash in
+                 self.block_hashes(request, (len(request.all_token_ids) - 1) // self.block_size)]
+        longest, run = 0, 0  # run: cached blocks in a row up to the current one
+        for end, block_id in enumerate(found, 1):
+            run = run + 1 if block_id is not None else 0
+            if run >= end - self._window_start(end * self.block_size):
+                longest = end
+        first = self._window_start(longest * self.block_size)
+        return [self.null_block] * first + found[first:longest]
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Make the request's blocks full of its first ``num_tokens`` (known) tokens findable."""
@@ -126,6 +179,8 @@ class BlockManager:
             return
         for i, block_hash in enumerate(self.block_hashes(request, full)[request.num_registered_blocks:],
                                        request.num_registered_blocks):
+            if request.block_ids[i] == self.null_block:
+                continue  # out of its window (a request resumed from swap holds none there): not held
             block = self.blocks[request.block_ids[i]]
             # Another request may have computed the same content first: its block stays the cached one.
             if block.hash is None and block_hash not in self.cached:
@@ -145,10 +200,13 @@ class BlockManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Grow ``request.block_ids`` to hold its computed tokens, ``cached_blocks`` (a prefix-cache
-        hit, taken first, whose tokens the caller then counts as computed) and ``num_new_tokens``.
+        hit from :meth:`find_cached_prefix`, taken first, whose tokens the caller then counts as
+        computed) and ``num_new_tokens``. With a window, the blocks that fell out of the request's
+        window are freed first, so they count as free here.
 
-        Returns False, changing nothing, when too few blocks are free.
+        Returns False when too few blocks are free, changing nothing else.
         """
+        self.free_out_of_window(request)
         size = self.block_size
         end, block_ids = request.num_computed_tokens + num_new_tokens, request.block_ids
         first = request.num_computed_tokens // size
@@ -162,18 +220,21 @@ class BlockManager:
         computed = request.num_computed_tokens + len(cached_blocks) * size
         total_blocks = self.blocks_needed(computed + num_new_tokens)
         held = len(request.block_ids) + len(cached_blocks)
+        # A request resumed from swap holds nothing yet: the blocks before its window stay null.
+        start = max(held, self._window_start(computed))
         # Blocks this step writes that another request also holds: each needs a private copy.
         shared = [i for i in range(computed // size, min(len(request.block_ids), total_blocks))
                   if self.blocks[request.block_ids[i]].ref_count > 1]
-        revived = sum(1 for block_id in cached_blocks if self.blocks[block_id].ref_count == 0)
-        if max(total_blocks - held, 0) + len(shared) + revived > len(self.free_block_ids):
+        revived = sum(1 for block_id in self._live(cached_blocks) if self.blocks[block_id].ref_count == 0)
+        if max(total_blocks - start, 0) + len(shared) + revived > len(self.free_block_ids):
             return False
         first_changed = shared[0] if shared else len(request.block_ids)
         if cached_blocks:  # only a request holding no blocks looks up the cache
-            for block_id in cached_blocks:
+            for block_id in self._live(cached_blocks):
                 self._take(block_id)
             request.block_ids += cached_blocks
             request.num_registered_blocks = len(request.block_ids)
+        request.block_ids += [self.null_block] * (start - held)
         for i in shared:
             source = self.blocks[request.block_ids[i]]
             source.ref_count -= 1
@@ -187,9 +248,30 @@ class BlockManager:
             self._register_full_blocks(request, computed + num_new_tokens)
         return True
 
+    def free_out_of_window(self, request: Request) -> None:
+        """Free the request's blocks that no query from its next position on reads (wholly
+        before that query's window); their entries become the null block.
+
+        Under async scheduling the step still on the device may read them: another request can
+        take them in the next step at the earliest, whose work the device runs after it (freeing
+        a finished request's blocks at once relies on the same order).
+        """
+        if self.sliding_window is None:
+            return
+        block_ids = request.block_ids
+        end = min(self._window_start(request.num_computed_tokens), len(block_ids))
+        i = end - 1
+        # Freed entries are a prefix: walk back from the window to the last one freed before.
+        while i >= 0 and block_ids[i] != self.null_block:
+            self._release(block_ids[i])
+            block_ids[i] = self.null_block
+            i -= 1
+        if i < end - 1:
+            self.table[request.block_table_row, i + 1:end] = self.null_block
+
     def fork(self, parent: Request, child: Request) -> None:
         """Let ``child`` share every block ``parent`` holds (it continues the parent's tokens)."""
-        for block_id in parent.block_ids:
+        for block_id in self.live_block_ids(parent):
             self.blocks[block_id].ref_count += 1
         child.block_ids = list(parent.block_ids)
         child.num_registered_blocks = parent.num_registered_blocks
@@ -205,6 +287,13 @@ class BlockManager:
         if block.ref_count == 0:
             del self.free_block_ids[block_id]
         block.ref_count += 1
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference to a block; unreferenced, it goes to the free list (still findable)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None
 
     def _allocate_free(self) -> int:
         """A free block for new tokens, least recently freed first, evicted from the cache."""
@@ -246,11 +335,8 @@ class BlockManager:
 
         Its last blocks are freed first, so they are evicted before the prefix others may share.
         """
-        for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
+        for block_id in reversed(self.live_block_ids(request)):
+            self._release(block_id)
         request.block_ids = []
         request.num_registered_blocks = 0
         if request.block_table_row is not None:

@@ -63,6 +63,8 @@ class Request:
         # Prompt plus max_tokens, capped by max_model_len: set_length_limit sets it once the prompt is final.
         self.max_num_tokens = sys.maxsize
         self.status = RequestStatus.WAITING
+        # Its KV blocks, one per block_size tokens; with a sliding window, those before its window
+        # are freed and their entries are the block manager's null block.
         self.block_ids: list[int] = []
         self.block_table_row: int | None = None  # its row in BlockManager.table while it holds blocks
         self.host_block_ids: list[int] = []  # while swapped: where its blocks' K/V wait, in order

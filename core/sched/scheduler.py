@@ -127,7 +127,7 @@ class Scheduler:
             if not self.block_manager.allocate_slots(request, num_new):
                 break
             # Its first blocks take back their K/V from the host; the rest are new.
-            swap_in += zip(request.host_block_ids, request.block_ids)
+            swap_in += zip(request.host_block_ids, self.block_manager.live_block_ids(request))
             self.host_allocator.free(request.host_block_ids)
             request.host_block_ids = []
             self._start_running(self.swapped, num_new, scheduled, counts)
@@ -136,8 +136,10 @@ class Scheduler:
         while (not preempted and not self.swapped and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
-            # A request holding no blocks starts from its longest cached prefix (a fork holds its parent's).
-            looks_up = self.block_manager.enable_prefix_caching and not request.block_ids
+            # A request holding no blocks starts from its longest cached prefix (a fork holds its parent's),
+            # unless it asks for prompt logprobs: those are computed only for the tokens it computes.
+            looks_up = (self.block_manager.enable_prefix_caching and not request.block_ids
+                        and request.sampling_params.prompt_logprobs is None)
             hits = self.block_manager.find_cached_prefix(request) if looks_up else []
             num_cached = len(hits) * self.block_manager.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
@@ -198,9 +200,11 @@ class Scheduler:
     def _preempt(self, request: Request, swap_out: list[tuple[int, int]]) -> None:
         """Swap the request out (adding its block pairs to ``swap_out``) when the mode asks and it
         can be, else free its blocks for it to be recomputed from the start."""
+        # Swapped, it keeps only the blocks it reads when it resumes (its computed count stays).
+        self.block_manager.free_out_of_window(request)
         host_block_ids = self._host_blocks_for(request)
         if host_block_ids is not None:
-            swap_out += zip(request.block_ids, host_block_ids)
+            swap_out += zip(self.block_manager.live_block_ids(request), host_block_ids)
             request.host_block_ids = host_block_ids
             self.block_manager.free(request)  # its computed tokens stay computed
             request.status = RequestStatus.SWAPPED
@@ -219,10 +223,11 @@ class Scheduler:
         (beam search) is recomputed too, as a fork needs its blocks on the device.
         """
         manager = self.block_manager
+        block_ids = manager.live_block_ids(request)
         if (self.preemption_mode != "swap" or request.retain_blocks
-                or any(manager.blocks[block_id].ref_count > 1 for block_id in request.block_ids)):
+                or any(manager.blocks[block_id].ref_count > 1 for block_id in block_ids)):
             return None
-        return self.host_allocator.allocate(len(request.block_ids))
+        return self.host_allocator.allocate(len(block_ids))
 
     def update_from_output(self, batch: SchedulerOutput, token_ids: list[int]) -> list[tuple[Request, int]]:
         """Apply a step's sampled tokens (one per ``batch.sampling_rows``, in order): append each,

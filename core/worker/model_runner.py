@@ -181,8 +181,9 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         # Penalties, logit bias, allowed tokens, bad words: device state for the requests using them.
         self.logits_adjuster = LogitsAdjuster(device)
-        # Requests whose prompt logprobs are not all computed yet.
-        self.prompt_logprob_ids: set[str] = set()
+        # Requests whose prompt logprobs are not all computed yet: the first prompt position whose
+        # logprob is not reported (a chunk recomputed after a preemption reports nothing twice).
+        self.prompt_logprob_ids: dict[str, int] = {}
         self.job_thread: ThreadPoolExecutor | None = None  # runs deferred steps' logits jobs
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -192,14 +193,14 @@ class ModelRunner:
             if state is not None:
                 self.hooks.hook.request_finished(request=state, model=self.model, context=self.hooks.context)
             self.logits_adjuster.remove(request_id)
-            self.prompt_logprob_ids.discard(request_id)
+            self.prompt_logprob_ids.pop(request_id, None)
         for new in scheduler_output.new_requests:
             self.requests[new.request_id] = CachedRequestState(
                 new.request_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.sampling_params,
                 list(new.mm_items))
             self.logits_adjuster.add(self.requests[new.request_id])
             if new.sampling_params.prompt_logprobs is not None:
-                self.prompt_logprob_ids.add(new.request_id)
+                self.prompt_logprob_ids[new.request_id] = 0
         for request_id, computed, new_tokens in zip(scheduler_output.request_ids, scheduler_output.num_computed_tokens,
                                                     scheduler_output.new_token_ids):
             state = self.requests[request_id]
@@ -359,15 +360,18 @@ class ModelRunner:
         token, its rank and the top k, from the model's raw logits."""
         result = {}
         for i, request in enumerate(batch.requests):
-            if request.request_id not in self.prompt_logprob_ids:
+            reported = self.prompt_logprob_ids.get(request.request_id)
+            if reported is None:
                 continue
-            start = request.num_computed_tokens
-            end = min(start + batch.num_scheduled_tokens[i], request.num_prompt_tokens - 1)
-            if start + batch.num_scheduled_tokens[i] >= request.num_prompt_tokens:
-                self.prompt_logprob_ids.discard(request.request_id)  # its last prompt chunk
+            computed, count = request.num_computed_tokens, batch.num_scheduled_tokens[i]
+            start, end = max(computed, reported), min(computed + count, request.num_prompt_tokens - 1)
+            if computed + count >= request.num_prompt_tokens:
+                del self.prompt_logprob_ids[request.request_id]  # its last prompt chunk
+            else:
+                self.prompt_logprob_ids[request.request_id] = max(reported, end)
             if end <= start:
                 continue
-            row = inputs.query_start[i]
+            row = inputs.query_start[i] + start - computed
             logprobs = self.model.compute_logits(hidden_states[row:row + end - start]).float().log_softmax(dim=-1)
             targets = torch.tensor(request.prompt_token_ids[start + 1:end + 1], device=logprobs.device)
             chosen = logprobs.gather(1, targets[:, None])

@@ -33,12 +33,14 @@ logger = logging.getLogger(__name__)
 
 def resolve_model(config: EngineConfig, plugin_manager: PluginManager) -> tuple[ModelConfig, ActiveHooks]:
     """The checkpoint's config and the active hooks, with this engine's context: the selected
-    plugins, the plugin that serves the checkpoint's architecture, and the core defaults."""
+    plugins, the plugin that serves the checkpoint's architecture (as ``config.model_impl``
+    picks: a native registration, else a fallback such as the transformers backend), and the
+    core defaults."""
     selected = plugin_manager.check_selected(config.plugins)
     device = resolve_device(config.device)
     model_config = ModelConfig.from_path(config.model, resolve_dtype(config.dtype, device), config.max_model_len)
     registry = plugin_manager.registry
-    owner = registry.owner(model_config.architecture, selected)
+    owner = registry.owner(model_config.architecture, selected, config.model_impl)
     model_config.plugin = owner
     model_config.load_format = config.load_format
     if config.tensor_parallel_size > 1:
@@ -80,6 +82,13 @@ class Worker:
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         if not self.attention_layers:
             raise ValueError(f"{type(model).__name__} has no hookllm.layers.Attention layer to hold a KV cache")
+        window = model_config.sliding_window
+        windows = {layer.sliding_window for layer in self.attention_layers}
+        if window is not None and windows != {window}:
+            # The scheduler frees each sequence's blocks before this window: a layer reading further
+            # back would read freed blocks.
+            raise ValueError(f"{type(model).__name__}: its config slides every layer over {window} tokens, but its "
+                             f"Attention layers' windows are {sorted(windows, key=str)}; pass sliding_window to each")
         phase("load_model")
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory()
         self._allocate_kv_cache(self.num_kv_blocks)

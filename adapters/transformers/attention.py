@@ -1,0 +1,175 @@
+"""hookllm's paged attention as a transformers attention implementation (``"hookllm"``).
+
+transformers' attention modules call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``
+with the layer's projected, rotated query/key/value; registered under ``"hookllm"``, that
+function stores K/V in the layer's paged cache and attends over it, so everything around
+attention (RoPE variants, q/k norms, MLPs, MoE blocks) runs as transformers wrote it.
+
+Only the attention function is registered, not a mask function: transformers then builds no
+attention mask at all for this implementation (``masking_utils`` exits early for names its mask
+interface lacks, in 5.17 as in 5.24), which also keeps its packed-sequence detection, a host
+sync, out of the forward. Causality, the sliding window and sequence boundaries come from the
+paged-attention metadata instead.
+
+What each layer needs (head counts, head size, scale, window, soft-cap, sinks) is what
+transformers' code passes: :func:`probe` runs a two-token forward once at load and records
+every call, so nothing is guessed from config fields a model may not use; each later call is
+checked against that record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+
+from hookllm.adapters.transformers.support import Unsupported
+from hookllm.config import layer_sliding_windows
+from hookllm.layers.attention import Attention
+
+IMPLEMENTATION = "hookllm"
+# Keyword arguments of an attention call that the layer honours, and bookkeeping ones that do not
+# change what attention computes; any other one that is set is refused (it would be ignored).
+HONOURED = frozenset({"sliding_window", "softcap", "s_aux", "is_causal"})
+BOOKKEEPING = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions", "past_key_values",
+                         "cache"})
+
+# (module, query, key, value, attention_mask, scaling, other keyword arguments) -> [1, T, heads, head_dim]
+Handler = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one transformers attention module passes to its attention function."""
+
+    path: str  # the module's name in the transformers model, for messages
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None
+    softcap: float | None
+    uses_sinks: bool  # gpt-oss: per-head sink logits passed as ``s_aux``
+
+    @classmethod
+    def of_call(cls, path: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, scaling: float | None, kwargs: dict[str, Any]) -> "LayerSpec":
+        """The spec of one call; :class:`Unsupported` for what the paged kernels cannot honour."""
+        if attention_mask is not None:
+            raise Unsupported(f"{path} builds its own attention mask or bias, which the transformers backend "
+                              "cannot honour")
+        unknown = sorted(k for k, v in kwargs.items() if k not in HONOURED | BOOKKEEPING and v is not None
+                         and v is not False)
+        if unknown:
+            raise Unsupported(f"{path} passes {', '.join(unknown)} to its attention function, which the "
+                              "transformers backend cannot honour")
+        head_dim = query.shape[-1]
+        if key.shape[-1] != head_dim or value.shape[-1] != head_dim:
+            dims = f"{query.shape[-1]}/{key.shape[-1]}/{value.shape[-1]}"
+            raise Unsupported(f"{path}: query/key/value head dims {dims} differ, which hookllm's attention kernels "
+                              "do not support")
+        scale = head_dim**-0.5 if scaling is None else float(scaling)
+        return cls(path, query.shape[1], key.shape[1], head_dim, scale, kwargs.get("sliding_window"),
+                   kwargs.get("softcap"), kwargs.get("s_aux") is not None)
+
+
+class PagedLayer(Attention):
+    """The paged ``Attention`` of one transformers attention module."""
+
+    def __init__(self, spec: LayerSpec):
+        super().__init__(spec.num_heads, spec.head_dim, spec.scale, spec.num_kv_heads,
+                         sliding_window=spec.sliding_window, softcap=spec.softcap)
+        self.spec = spec
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+               scaling: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
+        """transformers' ``[1, heads, T, D]`` query/key/value -> ``[1, T, heads, D]``, after
+        checking the call against the probed spec (shapes and Python scalars only: no device
+        work, so the check runs inside CUDA-graph capture too)."""
+        spec = LayerSpec.of_call(self.spec.path, query, key, value, attention_mask, scaling, kwargs)
+        if spec != self.spec or query.shape[0] != 1:
+            raise ValueError(f"{spec.path}: transformers called attention with {spec} (batch {query.shape[0]}), "
+                             f"unlike at load ({self.spec})")
+        num_tokens = query.shape[2]
+        q, k, v = (t[0].transpose(0, 1).reshape(num_tokens, -1) for t in (query, key, value))
+        out = self(q, k, v, sinks=kwargs.get("s_aux"))
+        return out.view(1, num_tokens, self.num_heads, self.head_dim)
+
+
+# Per thread (a context variable): engines stepping in different threads keep their own routes.
+_handler: contextvars.ContextVar[Handler | None] = contextvars.ContextVar("hookllm_attention", default=None)
+
+
+@contextlib.contextmanager
+def routed_to(handler: Handler) -> Iterator[None]:
+    """Send the attention calls of the forward passes inside to ``handler``."""
+    token = _handler.set(handler)
+    try:
+        yield
+    finally:
+        _handler.reset(token)
+
+
+def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The attention function transformers calls; the current handler does the work.
+    ``attention_mask`` is None unless a model builds its own (no mask function is registered:
+    refused), ``dropout`` 0 (eval)."""
+    handler = _handler.get()
+    if handler is None:
+        raise RuntimeError("hookllm attention ran outside TransformersForCausalLM.forward")
+    return handler(module, query, key, value, attention_mask, scaling, kwargs), None
+
+
+def register() -> None:
+    """Make ``attn_implementation="hookllm"`` available to transformers models (idempotent)."""
+    AttentionInterface.register(IMPLEMENTATION, paged_attention)
+
+
+def layers_handler(layers: nn.ModuleList) -> Handler:
+    """The handler of a real forward: each module's call goes to ``layers[module.layer_idx]``."""
+    def handle(module, query, key, value, attention_mask, scaling, kwargs):
+        return layers[module.layer_idx].attend(query, key, value, attention_mask, scaling, kwargs)
+    return handle
+
+
+@torch.inference_mode()
+def probe(model: nn.Module, decoder: nn.Module) -> list[LayerSpec]:
+    """Run ``decoder`` on two tokens (current default device; weights may be uninitialized)
+    and return, in ``layer_idx`` order, what each attention module passed to the attention
+    function; :class:`Unsupported` if the calls do not make a causal decoder hookllm can page."""
+    calls: dict[nn.Module, LayerSpec] = {}
+    paths = {module: path for path, module in model.named_modules()}
+
+    def record(module, query, key, value, attention_mask, scaling, kwargs):
+        path = paths.get(module, type(module).__name__)
+        if module in calls:
+            raise Unsupported(f"{path} runs twice per forward (shared across layers), so it cannot own one KV cache")
+        if getattr(module, "is_causal", True) is False or kwargs.get("is_causal", True) is False:
+            raise Unsupported(f"{path} has bidirectional attention: an encoder; the transformers backend serves "
+                              "causal decoders")
+        calls[module] = LayerSpec.of_call(path, query, key, value, attention_mask, scaling, kwargs)
+        return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1])
+
+    with routed_to(record):
+        decoder(input_ids=torch.zeros(1, 2, dtype=torch.long), position_ids=torch.arange(2)[None], use_cache=False)
+    name = type(model).__name__
+    if not calls:
+        raise Unsupported(f"{name} has no attention layer that calls transformers' attention interface")
+    indices = [getattr(module, "layer_idx", None) for module in calls]
+    if sorted(i for i in indices if isinstance(i, int)) != list(range(len(calls))):
+        raise Unsupported(f"{name}: its attention modules' layer_idx are {indices}, not one per layer from 0")
+    specs = [spec for _, spec in sorted(zip(indices, calls.values()), key=lambda pair: pair[0])]
+    windows = layer_sliding_windows(model.config)
+    for index, spec in enumerate(specs):
+        expected = windows[index] if index < len(windows) else windows[-1]
+        if spec.sliding_window != expected:
+            raise Unsupported(f"{spec.path}: transformers' code slides over {spec.sliding_window} tokens, the config "
+                              f"says {expected}, and the scheduler frees KV blocks by the config")
+    return specs

@@ -1,0 +1,120 @@
+"""``TransformersForCausalLM``: any transformers causal LM behind hookllm's model contract.
+
+The transformers class named by the checkpoint is built from its config with
+``attn_implementation="hookllm"`` (see :mod:`.attention`): one paged ``Attention`` per attention
+module carries the KV cache, and everything else (embeddings, RoPE variants, norms, MLPs, MoE
+blocks, the LM head and its logit scaling) is transformers' own code. The flat batch goes in as
+one sequence of ``T`` tokens (``input_ids[None]``, ``position_ids=positions[None]``); the paged
+attention keeps the sequences apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from hookllm.adapters.transformers import attention, support
+from hookllm.adapters.transformers.weights import build_empty, load_checkpoint_tensors, materialize
+
+
+class TransformersForCausalLM(nn.Module):
+    """A Hugging Face causal LM on hookllm's paged attention; built under ``building_on``
+    (its device and dtype are the current defaults)."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        model_cls = support.model_class(config)
+        config = copy.deepcopy(config)  # the engine's copy keeps its attention implementation
+        # Training-only outputs the head would otherwise read from the decoder.
+        config.use_cache = False
+        config.output_router_logits = False
+        attention.register()
+        dtype = torch.get_default_dtype()
+        self.hf_model = build_empty(model_cls, config, dtype)
+        support.check_structure(self.hf_model)
+        # The decoder the CausalLM's forward calls before its head (OPT's model.decoder, most
+        # models' model): forward runs it, compute_logits stands in for it.
+        decoder = self.hf_model.get_decoder()
+        path = next((p for p, m in self.hf_model.named_modules() if m is decoder), "")
+        if not path:
+            raise support.Unsupported(f"{model_cls.__name__}: no decoder module to run without its LM head")
+        self._decoder_parent, _, self._decoder_name = path.rpartition(".")
+        materialize(self.hf_model, dtype)
+        # One paged layer per attention module, in layer_idx order, as transformers' code calls it.
+        specs = attention.probe(self.hf_model, self.decoder)
+        self.attention = nn.ModuleList(attention.PagedLayer(spec) for spec in specs)
+        self._head_input = _DecoderStandIn()
+        self._attend = attention.layers_handler(self.attention)
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The transformers decoder: the model without its LM head."""
+        return self.hf_model.get_submodule(self._decoder_parent)._modules[self._decoder_name]
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.hf_model.get_input_embeddings()(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        inputs = {"input_ids": input_ids[None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
+        with attention.routed_to(self._attend), _graph_capture_hint(type(self.hf_model).__name__):
+            outputs = self.decoder(**inputs, position_ids=positions[None], use_cache=False)
+        return outputs[0][0]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The transformers CausalLM's own forward with its decoder standing in for the given
+        hidden states: its LM head and whatever it does after it (Gemma 2's final soft-cap,
+        Cohere's ``logit_scale``, Granite's ``logits_scaling``...) run as transformers wrote them."""
+        modules = self.hf_model.get_submodule(self._decoder_parent)._modules
+        decoder = modules[self._decoder_name]
+        self._head_input.hidden_states = hidden_states[None]
+        modules[self._decoder_name] = self._head_input
+        try:
+            return self.hf_model(use_cache=False).logits[0]
+        finally:
+            modules[self._decoder_name] = decoder
+            self._head_input.hidden_states = None
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Whole checkpoint tensors, named as transformers names them (see :mod:`.weights`)."""
+        load_checkpoint_tensors(self.hf_model, weights)
+
+
+class _DecoderStandIn(nn.Module):
+    """Returns the hidden states it holds as the decoder's output: what the head reads is
+    ``outputs[0]`` or ``outputs.last_hidden_state``; any other field is None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden_states: torch.Tensor | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> "_DecoderOutput":
+        return _DecoderOutput(self.hidden_states)
+
+
+class _DecoderOutput:
+    def __init__(self, last_hidden_state: torch.Tensor):
+        self.last_hidden_state = last_hidden_state
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return (self.last_hidden_state,)[index]
+
+    def __getattr__(self, name: str) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def _graph_capture_hint(architecture: str) -> Iterator[None]:
+    """A forward that fails while a CUDA graph is being captured fails because transformers'
+    code synchronizes with the host there: say so, and how to run such a model."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{architecture}: transformers' code cannot run inside a CUDA graph ({exc}); "
+                               "start the engine with --enforce-eager") from exc
+        raise
