@@ -23,6 +23,7 @@ from transformers import (
 
 from hookllm import LLM, SamplingParams, testing
 from hookllm.adapters.transformers.model import TransformersForCausalLM
+from hookllm.layers import RMSNorm
 from hookllm.entrypoints.cli import main
 from hookllm.plugins.contract import contract_violations
 from hookllm.plugins.registry import ModelRegistry
@@ -273,3 +274,13 @@ def test_plugins_lists_who_serves_each_architecture(capsys):
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
     assert rows["transformers"]["fallback"].startswith("every other causal LM")
     assert "fallback" not in rows["llama"]
+
+
+@pytest.mark.parametrize("name, swapped", [("llama", True), ("gemma", False)])
+def test_rms_norms_hookllm_computes_alike_run_on_its_kernel(name, swapped, tmp_path):
+    """Llama's RMSNorm modules become hookllm's one-kernel RMSNorm; Gemma's (``1 + weight``)
+    computes something else and keeps its own."""
+    path = testing.build_tiny_checkpoint(CASES[name].config(), tmp_path / name)
+    model = LLM(str(path), dtype="float32", device="cpu", model_impl="transformers").engine.engine_core.worker.model
+    norms = [type(m) for m in model.hf_model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert norms and all((cls is RMSNorm) == swapped for cls in norms)

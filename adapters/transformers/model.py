@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from hookllm.adapters.transformers import attention, support
+from hookllm.adapters.transformers.kernels import use_hookllm_norms
 from hookllm.adapters.transformers.weights import build_empty, load_checkpoint_tensors, materialize
 
 
@@ -80,8 +81,10 @@ class TransformersForCausalLM(nn.Module):
             self._head_input.hidden_states = None
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Whole checkpoint tensors, named as transformers names them (see :mod:`.weights`)."""
+        """Whole checkpoint tensors, named as transformers names them (see :mod:`.weights`);
+        then hookllm's kernels take over the modules they compute exactly (:mod:`.kernels`)."""
         load_checkpoint_tensors(self.hf_model, weights)
+        use_hookllm_norms(self.hf_model)
 
 
 class _DecoderStandIn(nn.Module):
