@@ -304,58 +304,52 @@ class OutputItemEvent(StreamEvent):
     item: OutputItem
 
 
-class ContentPartEvent(StreamEvent):
-    type: Literal["response.content_part.added", "response.content_part.done"]
+class ItemEvent(StreamEvent):
+    """An event about one output item."""
+
     item_id: str
     output_index: int
+
+
+class ContentEvent(ItemEvent):
+    """An event about one content part of an output item."""
+
     content_index: int = 0
+
+
+class ContentPartEvent(ContentEvent):
+    type: Literal["response.content_part.added", "response.content_part.done"]
     part: OutputText | OutputReasoningText
 
 
-class OutputTextDelta(StreamEvent):
+class OutputTextDelta(ContentEvent):
     type: Literal["response.output_text.delta"] = "response.output_text.delta"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     delta: str
     logprobs: list[Any] = Field(default_factory=list)
 
 
-class OutputTextDone(StreamEvent):
+class OutputTextDone(ContentEvent):
     type: Literal["response.output_text.done"] = "response.output_text.done"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     text: str
     logprobs: list[Any] = Field(default_factory=list)
 
 
-class ReasoningTextDelta(StreamEvent):
+class ReasoningTextDelta(ContentEvent):
     type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     delta: str
 
 
-class ReasoningTextDone(StreamEvent):
+class ReasoningTextDone(ContentEvent):
     type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     text: str
 
 
-class FunctionCallArgumentsDelta(StreamEvent):
+class FunctionCallArgumentsDelta(ItemEvent):
     type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
-    item_id: str
-    output_index: int
     delta: str
 
 
-class FunctionCallArgumentsDone(StreamEvent):
+class FunctionCallArgumentsDone(ItemEvent):
     type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
-    item_id: str
-    output_index: int
     name: str
     arguments: str
