@@ -147,7 +147,10 @@ class EngineConfig:
     gpu_memory_utilization: float = _option(0.9, "share of GPU memory for weights, activations and KV cache")
     cpu_kv_cache_bytes: int = _option(1 << 30, "KV-cache bytes on the CPU")
     attention_backend: str = _option("auto", "attention kernels", choices=["auto", "torch", "triton"])
-    enforce_eager: bool = _option(False, "CUDA: no CUDA graphs")
+    enforce_eager: bool = _option(False, "CUDA: no CUDA graphs (and no torch.compile)")
+    torch_compile: bool = _option(True, "CUDA graphs on: a model class that sets supports_torch_compile (the "
+                                  "transformers backend) runs its forward through torch.compile, which fuses "
+                                  "the small kernels between its matmuls")
     max_cuda_graph_batch_size: int = _option(512, "largest decode batch captured in a CUDA graph")
     max_cuda_graph_tokens: int = _option(8192, "CUDA: steps with prefill of up to this many tokens also run as CUDA "
                                          "graphs, padded to token buckets (0: they run eagerly)")

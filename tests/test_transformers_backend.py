@@ -284,3 +284,37 @@ def test_rms_norms_hookllm_computes_alike_run_on_its_kernel(name, swapped, tmp_p
     model = LLM(str(path), dtype="float32", device="cpu", model_impl="transformers").engine.engine_core.worker.model
     norms = [type(m) for m in model.hf_model.modules() if type(m).__name__.endswith("RMSNorm")]
     assert norms and all((cls is RMSNorm) == swapped for cls in norms)
+
+
+@pytest.mark.parametrize("name, head_alone", [("llama", True), ("gemma2-softcap-window", False),
+                                              ("cohere-logit-scale", False), ("granite-scalings", False)])
+def test_logits_skip_the_causal_lm_forward_only_when_it_adds_nothing_to_the_head(name, head_alone, tmp_path):
+    """The CausalLM forward (about a decode step's host time) runs only for a model that changes
+    its head's logits: Gemma 2's final soft-cap, Cohere's logit scale, Granite's scaling."""
+    path = testing.build_tiny_checkpoint(CASES[name].config(), tmp_path / name)
+    model = LLM(str(path), dtype="float32", device="cpu", model_impl="transformers").engine.engine_core.worker.model
+    assert (model._plain_head is not None) == head_alone
+
+
+DENSE = ["llama", "gemma2-softcap-window", "gemma3-text-window", "phi3", "olmo2", "granite-scalings",
+         "cohere-logit-scale", "starcoder2-window", "smollm3-nope-layers", "gpt-neox-partial-rotary",
+         "opt-learned-positions"]
+
+
+@pytest.mark.parametrize("name", DENSE)
+def test_torch_compile_traces_each_dense_decoder_whole_around_the_attention_operator(name, tmp_path):
+    """With CUDA graphs the worker compiles the decoder (``use_torch_compile``); paged attention is
+    one opaque operator, so dynamo traces a whole forward without a graph break and computes
+    what the eager forward does (traced here with dynamo's eager backend: no C compiler)."""
+    from torch._dynamo.utils import counters
+
+    path = testing.build_tiny_checkpoint(CASES[name].config(), tmp_path / name)
+    eager = LLM(str(path), dtype="float32", device="cpu", model_impl="transformers")
+    compiled = LLM(str(path), dtype="float32", device="cpu", model_impl="transformers")
+    compiled.engine.engine_core.worker.model.use_torch_compile(backend="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    for prompt in testing.random_prompts(2, VOCAB, min_len=3, max_len=40, seed=12):
+        torch.testing.assert_close(testing.prompt_logits(compiled, prompt), testing.prompt_logits(eager, prompt),
+                                   atol=1e-5, rtol=0)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]

@@ -13,8 +13,12 @@ paged-attention metadata instead.
 
 What each layer needs (head counts, head size, scale, window, soft-cap, sinks) is what
 transformers' code passes: :func:`probe` runs a two-token forward once at load and records
-every call, so nothing is guessed from config fields a model may not use; each later call is
-checked against that record.
+every call, so nothing is guessed from config fields a model may not use; each later eager call
+is checked against that record.
+
+The paged layer runs behind one opaque operator (:func:`attention_op`), so that torch.compile
+can trace a whole decoder forward and fuse transformers' code between the matmuls (RoPE, the
+activations, residual adds) while the cache writes and kernels run unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -38,10 +42,6 @@ IMPLEMENTATION = "hookllm"
 HONOURED = frozenset({"sliding_window", "softcap", "s_aux", "is_causal"})
 BOOKKEEPING = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions", "past_key_values",
                          "cache"})
-
-# (module, query, key, value, attention_mask, scaling, other keyword arguments) -> [1, T, heads, head_dim]
-Handler = Callable[..., torch.Tensor]
-
 
 @dataclass(frozen=True)
 class LayerSpec:
@@ -86,45 +86,91 @@ class PagedLayer(Attention):
                          sliding_window=spec.sliding_window, softcap=spec.softcap)
         self.spec = spec
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-               scaling: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
-        """transformers' ``[1, heads, T, D]`` query/key/value -> ``[1, T, heads, D]``, after
-        checking the call against the probed spec (shapes and Python scalars only: no device
+    def check(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+              scaling: float | None, kwargs: dict[str, Any]) -> None:
+        """Refuse a call unlike the one probed at load (shapes and Python scalars only: no device
         work, so the check runs inside CUDA-graph capture too)."""
         spec = LayerSpec.of_call(self.spec.path, query, key, value, attention_mask, scaling, kwargs)
         if spec != self.spec or query.shape[0] != 1:
             raise ValueError(f"{spec.path}: transformers called attention with {spec} (batch {query.shape[0]}), "
                              f"unlike at load ({self.spec})")
-        num_tokens = query.shape[2]
-        q, k, v = (t[0].transpose(0, 1).reshape(num_tokens, -1) for t in (query, key, value))
-        out = self(q, k, v, sinks=kwargs.get("s_aux"))
-        return out.view(1, num_tokens, self.num_heads, self.head_dim)
+
+
+class Route:
+    """Where the attention calls of a forward pass go: :meth:`check` sees each call as
+    transformers made it (eager forwards only), :meth:`attend` computes it."""
+
+    def check(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, scaling: float | None, kwargs: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sinks: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PagedRoute(Route):
+    """A real forward: each module's call goes to ``layers[module.layer_idx]``."""
+
+    def __init__(self, layers: nn.ModuleList):
+        self.layers = layers
+
+    def check(self, module, query, key, value, attention_mask, scaling, kwargs):
+        self.layers[module.layer_idx].check(query, key, value, attention_mask, scaling, kwargs)
+
+    def attend(self, layer_index, q, k, v, sinks):
+        return self.layers[layer_index](q, k, v, sinks=sinks)
 
 
 # Per thread (a context variable): engines stepping in different threads keep their own routes.
-_handler: contextvars.ContextVar[Handler | None] = contextvars.ContextVar("hookllm_attention", default=None)
+_route: contextvars.ContextVar[Route | None] = contextvars.ContextVar("hookllm_attention", default=None)
 
 
 @contextlib.contextmanager
-def routed_to(handler: Handler) -> Iterator[None]:
-    """Send the attention calls of the forward passes inside to ``handler``."""
-    token = _handler.set(handler)
+def routed_to(route: Route) -> Iterator[None]:
+    """Send the attention calls of the forward passes inside to ``route``."""
+    token = _route.set(route)
     try:
         yield
     finally:
-        _handler.reset(token)
+        _route.reset(token)
+
+
+def _current_route() -> Route:
+    route = _route.get()
+    if route is None:
+        raise RuntimeError("hookllm attention ran outside TransformersForCausalLM.forward")
+    return route
+
+
+@torch.library.custom_op("hookllm::transformers_attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+                 layer_index: int) -> torch.Tensor:
+    """``[T, heads * head_dim]`` q/k/v of layer ``layer_index`` -> its attention output, through
+    the current route. An opaque operator, so that torch.compile traces transformers' code
+    around attention (and fuses it) while the paged cache writes and the Triton kernels, which
+    read the step's metadata on the host, run as they are."""
+    return _current_route().attend(layer_index, q.contiguous(), k.contiguous(), v.contiguous(), sinks)
+
+
+@attention_op.register_fake
+def _attention_op_shape(q, k, v, sinks, layer_index):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """The attention function transformers calls; the current handler does the work.
-    ``attention_mask`` is None unless a model builds its own (no mask function is registered:
-    refused), ``dropout`` 0 (eval)."""
-    handler = _handler.get()
-    if handler is None:
-        raise RuntimeError("hookllm attention ran outside TransformersForCausalLM.forward")
-    return handler(module, query, key, value, attention_mask, scaling, kwargs), None
+    """The attention function transformers calls: ``[1, heads, T, head_dim]`` query/key/value ->
+    ``[1, T, heads, head_dim]``. ``attention_mask`` is None unless a model builds its own (no
+    mask function is registered: refused), ``dropout`` 0 (eval). An eager forward checks each
+    call against what the layer did at load; a compiled one was checked when it was traced."""
+    if not torch.compiler.is_compiling():
+        _current_route().check(module, query, key, value, attention_mask, scaling, kwargs)
+    num_tokens, head_dim = query.shape[2], query.shape[3]
+    q, k, v = (t[0].transpose(0, 1).reshape(num_tokens, -1) for t in (query, key, value))
+    out = attention_op(q, k, v, kwargs.get("s_aux"), getattr(module, "layer_idx", -1))
+    return out.view(1, num_tokens, -1, head_dim), None
 
 
 def register() -> None:
@@ -132,11 +178,24 @@ def register() -> None:
     AttentionInterface.register(IMPLEMENTATION, paged_attention)
 
 
-def layers_handler(layers: nn.ModuleList) -> Handler:
-    """The handler of a real forward: each module's call goes to ``layers[module.layer_idx]``."""
-    def handle(module, query, key, value, attention_mask, scaling, kwargs):
-        return layers[module.layer_idx].attend(query, key, value, attention_mask, scaling, kwargs)
-    return handle
+class _Recorder(Route):
+    """The route of :func:`probe`: records what each attention module passes."""
+
+    def __init__(self, model: nn.Module):
+        self.calls: dict[nn.Module, LayerSpec] = {}
+        self.paths = {module: path for path, module in model.named_modules()}
+
+    def check(self, module, query, key, value, attention_mask, scaling, kwargs):
+        path = self.paths.get(module, type(module).__name__)
+        if module in self.calls:
+            raise Unsupported(f"{path} runs twice per forward (shared across layers), so it cannot own one KV cache")
+        if getattr(module, "is_causal", True) is False or kwargs.get("is_causal", True) is False:
+            raise Unsupported(f"{path} has bidirectional attention: an encoder; the transformers backend serves "
+                              "causal decoders")
+        self.calls[module] = LayerSpec.of_call(path, query, key, value, attention_mask, scaling, kwargs)
+
+    def attend(self, layer_index, q, k, v, sinks):
+        return torch.zeros_like(q)
 
 
 @torch.inference_mode()
@@ -144,21 +203,10 @@ def probe(model: nn.Module, decoder: nn.Module) -> list[LayerSpec]:
     """Run ``decoder`` on two tokens (current default device; weights may be uninitialized)
     and return, in ``layer_idx`` order, what each attention module passed to the attention
     function; :class:`Unsupported` if the calls do not make a causal decoder hookllm can page."""
-    calls: dict[nn.Module, LayerSpec] = {}
-    paths = {module: path for path, module in model.named_modules()}
-
-    def record(module, query, key, value, attention_mask, scaling, kwargs):
-        path = paths.get(module, type(module).__name__)
-        if module in calls:
-            raise Unsupported(f"{path} runs twice per forward (shared across layers), so it cannot own one KV cache")
-        if getattr(module, "is_causal", True) is False or kwargs.get("is_causal", True) is False:
-            raise Unsupported(f"{path} has bidirectional attention: an encoder; the transformers backend serves "
-                              "causal decoders")
-        calls[module] = LayerSpec.of_call(path, query, key, value, attention_mask, scaling, kwargs)
-        return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1])
-
-    with routed_to(record):
+    recorder = _Recorder(model)
+    with routed_to(recorder):
         decoder(input_ids=torch.zeros(1, 2, dtype=torch.long), position_ids=torch.arange(2)[None], use_cache=False)
+    calls = recorder.calls
     name = type(model).__name__
     if not calls:
         raise Unsupported(f"{name} has no attention layer that calls transformers' attention interface")

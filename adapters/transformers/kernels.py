@@ -1,4 +1,5 @@
-"""hookllm's kernels in place of transformers' modules that compute the same thing.
+"""hookllm's kernels in place of transformers' modules that compute the same thing, and the
+transformers code a step can skip because it changes nothing.
 
 transformers' RMSNorm is five to seven torch kernels (the fp32 cast, the square, the mean, the
 rsqrt, two multiplies); hookllm's ``RMSNorm`` is one. A module is swapped only when, with its
@@ -8,6 +9,8 @@ norm kept in fp32) keeps its own.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
@@ -44,3 +47,18 @@ def _matching_norm(module: nn.Module) -> RMSNorm | None:
     except AssertionError:
         return None
     return norm
+
+
+@torch.inference_mode()
+def head_alone(head: nn.Module | None, causal_lm_logits: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module | None:
+    """``head`` when the CausalLM's logits are exactly ``head(hidden_states)``, else None.
+
+    Checked on hidden states large enough that any scaling or soft-capping after the head shows
+    in every dtype (a soft-cap of 30 leaves logits near 0 unchanged in bfloat16)."""
+    weight = getattr(head, "weight", None)
+    if not isinstance(head, nn.Linear) or weight is None:
+        return None
+    generator = torch.Generator(weight.device).manual_seed(0)
+    hidden = 100 * torch.randn(4, weight.shape[1], generator=generator, device=weight.device)
+    hidden = hidden.to(weight.dtype)
+    return head if torch.equal(causal_lm_logits(hidden), head(hidden)) else None

@@ -18,13 +18,16 @@ import torch
 from torch import nn
 
 from hookllm.adapters.transformers import attention, support
-from hookllm.adapters.transformers.kernels import use_hookllm_norms
+from hookllm.adapters.transformers.kernels import head_alone, use_hookllm_norms
 from hookllm.adapters.transformers.weights import build_empty, load_checkpoint_tensors, materialize
+from hookllm.distributed import get_tp_size
 
 
 class TransformersForCausalLM(nn.Module):
     """A Hugging Face causal LM on hookllm's paged attention; built under ``building_on``
     (its device and dtype are the current defaults)."""
+
+    supports_torch_compile = True
 
     def __init__(self, config: Any):
         super().__init__()
@@ -49,7 +52,9 @@ class TransformersForCausalLM(nn.Module):
         specs = attention.probe(self.hf_model, self.decoder)
         self.attention = nn.ModuleList(attention.PagedLayer(spec) for spec in specs)
         self._head_input = _DecoderStandIn()
-        self._attend = attention.layers_handler(self.attention)
+        self._plain_head: nn.Module | None = None  # set by load_weights
+        self._route = attention.PagedRoute(self.attention)
+        self._decoder_hidden_states = self._run_decoder
 
     @property
     def decoder(self) -> nn.Module:
@@ -61,15 +66,33 @@ class TransformersForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        with attention.routed_to(self._route), _graph_capture_hint(type(self.hf_model).__name__):
+            return self._decoder_hidden_states(input_ids, positions, inputs_embeds)
+
+    def _run_decoder(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     inputs_embeds: torch.Tensor | None) -> torch.Tensor:
         inputs = {"input_ids": input_ids[None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
-        with attention.routed_to(self._attend), _graph_capture_hint(type(self.hf_model).__name__):
-            outputs = self.decoder(**inputs, position_ids=positions[None], use_cache=False)
-        return outputs[0][0]
+        return self.decoder(**inputs, position_ids=positions[None], use_cache=False)[0][0]
+
+    def use_torch_compile(self, backend: str = "inductor") -> None:
+        """Run the decoder through torch.compile (the worker calls this when CUDA graphs are on):
+        inductor fuses the elementwise work transformers' code spreads over many small kernels.
+        Shapes are dynamic, so one graph serves every token count (and one more for a single
+        token); the CUDA-graph warm-up compiles them before any request. Under tensor parallelism
+        the decoder stays eager, its collectives outside any trace."""
+        if get_tp_size() == 1:
+            self._decoder_hidden_states = torch.compile(self._run_decoder, backend=backend, dynamic=True)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The LM head and whatever transformers' CausalLM does after it (Gemma 2's final
+        soft-cap, Cohere's ``logit_scale``, Granite's ``logits_scaling``...); see :meth:`load_weights`."""
+        if self._plain_head is not None:
+            return self._plain_head(hidden_states)
+        return self._causal_lm_logits(hidden_states)
+
+    def _causal_lm_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The transformers CausalLM's own forward with its decoder standing in for the given
-        hidden states: its LM head and whatever it does after it (Gemma 2's final soft-cap,
-        Cohere's ``logit_scale``, Granite's ``logits_scaling``...) run as transformers wrote them."""
+        hidden states, so its head runs as transformers wrote it."""
         modules = self.hf_model.get_submodule(self._decoder_parent)._modules
         decoder = modules[self._decoder_name]
         self._head_input.hidden_states = hidden_states[None]
@@ -82,10 +105,12 @@ class TransformersForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Whole checkpoint tensors, named as transformers names them (see :mod:`.weights`);
-        then hookllm's kernels take over the modules they compute exactly (:mod:`.kernels`)."""
+        then hookllm's kernels take over the modules they compute exactly (:mod:`.kernels`), and
+        when the CausalLM's forward computes its LM head alone, the head runs without it (the
+        forward costs the host about as much as a decode step's sampling)."""
         load_checkpoint_tensors(self.hf_model, weights)
         use_hookllm_norms(self.hf_model)
-
+        self._plain_head = head_alone(self.hf_model.get_output_embeddings(), self._causal_lm_logits)
 
 class _DecoderStandIn(nn.Module):
     """Returns the hidden states it holds as the decoder's output: what the head reads is

@@ -79,6 +79,8 @@ class Worker:
             raise TypeError(f"{hooks.overriding_plugins('load_model')}: load_model must return "
                             f"a torch.nn.Module, got {type(model).__name__}")
         self.model = model
+        if self.uses_cuda_graphs and config.torch_compile and getattr(model, "supports_torch_compile", False):
+            model.use_torch_compile()  # compiled by the CUDA-graph warm-up below, before any request
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         if not self.attention_layers:
             raise ValueError(f"{type(model).__name__} has no hookllm.layers.Attention layer to hold a KV cache")

@@ -1,0 +1,54 @@
+"""The transformers modeling backend on CUDA: compiled (torch.compile) inside CUDA graphs.
+
+Run on a machine with a GPU: ``pytest -m gpu tests/gpu``. Skipped without CUDA. fp32 throughout,
+so that differences come from the engine and not from bf16 rounding.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma2Config
+
+from hookllm import LLM, testing
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+VOCAB = 320
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    """Alternating sliding (window 64) and full layers, attention and final soft-capping."""
+    config = Gemma2Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                          num_attention_heads=8, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+                          sliding_window=64, layer_types=["sliding_attention", "full_attention"] * 2,
+                          attn_logit_softcapping=20.0, final_logit_softcapping=10.0, max_position_embeddings=1024,
+                          initializer_range=0.05, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    return testing.build_tiny_checkpoint(config, tmp_path_factory.mktemp("gpu-gemma2"))
+
+
+def engine(path, **kwargs) -> LLM:
+    return LLM(str(path), model_impl="transformers", dtype="float32", gpu_memory_utilization=0.3,
+               max_num_batched_tokens=512, **kwargs)
+
+
+def test_compiled_decoder_in_cuda_graphs_gives_the_eager_tokens(gemma2):
+    prompts = testing.random_prompts(24, VOCAB, min_len=5, max_len=300, seed=21)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    compiled = engine(gemma2)
+    model = compiled.engine.engine_core.worker.model
+    assert compiled.engine.engine_core.worker.runner.cuda_graphs is not None
+    assert model._decoder_hidden_states != model._run_decoder  # compiled
+    eager = engine(gemma2, enforce_eager=True)
+    assert eager.engine.engine_core.worker.runner.cuda_graphs is None
+    ours = [o.outputs[0].token_ids for o in compiled.generate(requests, testing.greedy(24))]
+    theirs = [o.outputs[0].token_ids for o in eager.generate(requests, testing.greedy(24))]
+    assert ours == theirs
+
+
+def test_sliding_window_and_soft_capping_on_cuda_equal_transformers(gemma2):
+    # Eager attention: transformers' one that computes the soft-cap in every version.
+    reference = AutoModelForCausalLM.from_pretrained(str(gemma2), dtype=torch.float32, attn_implementation="eager")
+    prompts = testing.random_prompts(6, VOCAB, min_len=100, max_len=250, seed=22)
+    expected = [testing.reference_greedy(reference, p, 12) for p in prompts]
+    outputs = engine(gemma2).generate([{"prompt_token_ids": p} for p in prompts], testing.greedy(12))
+    assert [o.outputs[0].token_ids for o in outputs] == expected
