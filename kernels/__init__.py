@@ -44,8 +44,10 @@ def get_attention_backend(name: str) -> ModuleType:
 
 
 def ops_for(tensor: torch.Tensor) -> ModuleType:
-    """:mod:`hookllm.kernels.triton_ops` for a CUDA tensor, :mod:`hookllm.kernels.reference` otherwise."""
-    if tensor.is_cuda:
+    """:mod:`hookllm.kernels.triton_ops` for a CUDA tensor, :mod:`hookllm.kernels.reference` otherwise,
+    and also while torch.compile traces: inductor then makes its own kernel of the reference's
+    torch ops and fuses it with its neighbours (a residual add into the norm after it)."""
+    if tensor.is_cuda and not torch.compiler.is_compiling():
         from hookllm.kernels import triton_ops
 
         return triton_ops

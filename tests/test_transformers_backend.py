@@ -22,6 +22,7 @@ from transformers import (
 )
 
 from hookllm import LLM, SamplingParams, testing
+from hookllm.adapters.transformers.kernels import FusedGatedMLP
 from hookllm.adapters.transformers.model import TransformersForCausalLM
 from hookllm.layers import RMSNorm
 from hookllm.entrypoints.cli import main
@@ -89,21 +90,26 @@ class Expected:
     logprobs: list[torch.Tensor]  # log-softmax of a transformers forward over each prompt
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def case(request, tmp_path_factory) -> Expected:
-    spec = CASES[request.param]
-    config = spec.config()
-    path = testing.build_tiny_checkpoint(config, tmp_path_factory.mktemp(request.param))
+def expected_of(config: Any, path: Any, model_impl: str, prompts: list[list[int]]) -> Expected:
+    """A tiny random checkpoint of ``config`` saved in ``path``, and transformers' answers for ``prompts``."""
+    path = testing.build_tiny_checkpoint(config, path)
     # Eager attention: the one every transformers version computes every variant with (5.17's
     # sdpa path for Gemma 2 drops the attention soft-cap).
     reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
-    # Longer than the window (16) where there is one; 4 of them overflow 8 KV blocks.
-    prompts = testing.random_prompts(4, VOCAB, min_len=20 if not windowed(config) else 40, max_len=70, seed=5)
     tokens = [testing.reference_greedy(reference, prompt, MAX_TOKENS) for prompt in prompts]
     assert sum(len(set(t)) > 1 for t in tokens) >= 3, "constant reference outputs prove little"
     with torch.inference_mode():
         logprobs = [reference(torch.tensor([p])).logits[0].float().log_softmax(-1) for p in prompts]
-    return Expected(path, spec.model_impl, windowed(config), prompts, tokens, logprobs)
+    return Expected(path, model_impl, windowed(config), prompts, tokens, logprobs)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory) -> Expected:
+    spec = CASES[request.param]
+    config = spec.config()
+    # Longer than the window (16) where there is one; 4 of them overflow 8 KV blocks.
+    prompts = testing.random_prompts(4, VOCAB, min_len=20 if not windowed(config) else 40, max_len=70, seed=5)
+    return expected_of(config, tmp_path_factory.mktemp(request.param), spec.model_impl, prompts)
 
 
 def make_llm(expected: Expected, **kwargs: Any) -> LLM:
@@ -318,3 +324,12 @@ def test_torch_compile_traces_each_dense_decoder_whole_around_the_attention_oper
         torch.testing.assert_close(testing.prompt_logits(compiled, prompt), testing.prompt_logits(eager, prompt),
                                    atol=1e-5, rtol=0)
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+
+
+@pytest.mark.parametrize("name, fused", [("llama", 2), ("gemma", 2), ("gpt-neox-partial-rotary", 0)])
+def test_gated_mlps_run_gate_and_up_as_one_matmul(name, fused, tmp_path):
+    """Llama's and Gemma's gated MLPs (SiLU, GELU) stack gate and up into one weight; GPT-NeoX's
+    MLP has no gate and stays as transformers wrote it. (The tokens are checked in the tests above.)"""
+    path = testing.build_tiny_checkpoint(CASES[name].config(), tmp_path / name)
+    model = LLM(str(path), dtype="float32", device="cpu", model_impl="transformers").engine.engine_core.worker.model
+    assert sum(isinstance(m, FusedGatedMLP) for m in model.hf_model.modules()) == fused

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from hookllm.adapters.transformers import attention, support
-from hookllm.adapters.transformers.kernels import head_alone, use_hookllm_norms
+from hookllm.adapters.transformers.kernels import head_alone, use_hookllm_modules
 from hookllm.adapters.transformers.weights import build_empty, load_checkpoint_tensors, materialize
 from hookllm.distributed import get_tp_size
 
@@ -109,8 +109,9 @@ class TransformersForCausalLM(nn.Module):
         when the CausalLM's forward computes its LM head alone, the head runs without it (the
         forward costs the host about as much as a decode step's sampling)."""
         load_checkpoint_tensors(self.hf_model, weights)
-        use_hookllm_norms(self.hf_model)
+        use_hookllm_modules(self.hf_model)
         self._plain_head = head_alone(self.hf_model.get_output_embeddings(), self._causal_lm_logits)
+
 
 class _DecoderStandIn(nn.Module):
     """Returns the hidden states it holds as the decoder's output: what the head reads is
