@@ -45,6 +45,22 @@ def test_compiled_decoder_in_cuda_graphs_gives_the_eager_tokens(gemma2):
     assert ours == theirs
 
 
+def test_llama_decoder_compiles_whole_on_cuda(tmp_path):
+    """On CUDA hookllm's norm is a Triton kernel, but while dynamo traces it gives the torch
+    reference: the decoder is one graph, with no break around the norms or attention."""
+    from torch._dynamo.utils import counters
+
+    config = testing.tiny_llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    path = testing.build_tiny_checkpoint(config, tmp_path)
+    torch._dynamo.reset()
+    counters.clear()
+    llm = LLM(str(path), model_impl="transformers", gpu_memory_utilization=0.3, max_num_batched_tokens=512)
+    prompts = [{"prompt_token_ids": p} for p in testing.random_prompts(8, VOCAB, min_len=5, max_len=200, seed=23)]
+    llm.generate(prompts, testing.greedy(8))
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
+
+
 def test_sliding_window_and_soft_capping_on_cuda_equal_transformers(gemma2):
     # Eager attention: transformers' one that computes the soft-cap in every version.
     reference = AutoModelForCausalLM.from_pretrained(str(gemma2), dtype=torch.float32, attn_implementation="eager")
