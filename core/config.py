@@ -78,17 +78,6 @@ def layer_sliding_windows(text_config: Any) -> list[int | None]:
     return [window] * getattr(text_config, "num_hidden_layers", 1)
 
 
-def uniform_sliding_window(text_config: Any, max_model_len: int) -> int | None:
-    """The KV cache spec: W when every layer slides over the same W tokens, shorter than
-    ``max_model_len``, else None (some layer reads the whole prefix, or no window ever slides):
-    only then can a sequence's blocks before its window be freed."""
-    windows = set(layer_sliding_windows(text_config))
-    if len(windows) != 1:
-        return None
-    window = windows.pop()
-    return window if window is not None and window < max_model_len else None
-
-
 @dataclass
 class ModelConfig:
     path: str
@@ -98,9 +87,6 @@ class ModelConfig:
     max_model_len: int
     plugin: str | None = None  # the plugin whose registered class serves ``architecture``
     load_format: str = "auto"  # EngineConfig.load_format: "dummy" loads random weights
-    # W when every attention layer has the same sliding window of W tokens (uniform_sliding_window):
-    # the scheduler then frees a sequence's KV blocks that fall out of its window.
-    sliding_window: int | None = None
 
     @classmethod
     def from_path(cls, path: str, dtype: torch.dtype, max_model_len: int | None) -> "ModelConfig":
@@ -114,8 +100,7 @@ class ModelConfig:
             max_model_len = limit or 2048
         elif limit and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
-        return cls(str(path), hf_config, architectures[0], dtype, int(max_model_len),
-                   sliding_window=uniform_sliding_window(text, int(max_model_len)))
+        return cls(str(path), hf_config, architectures[0], dtype, int(max_model_len))
 
 
 def _option(default: Any, help: str, **extra: Any) -> Any:

@@ -9,17 +9,21 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
 
 @dataclass
 class AttentionMetadata:
-    """Where each scheduled token's K/V goes and which cache blocks each sequence reads."""
+    """Where each scheduled token's K/V goes and which cache blocks each sequence reads.
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64, flat cache slot of each new token
-    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    Both are per KV cache group (``hookllm.worker.kv_cache_groups``), indexed by each layer's
+    ``Attention.kv_cache_group``: separate tensors, so a layer picks its own without a device op.
+    """
+
+    slot_mapping: Sequence[torch.Tensor]  # per group: [num_tokens] int64, flat cache slot of each new token
+    block_tables: Sequence[torch.Tensor]  # per group: [num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor  # [num_seqs] int32, context length after this step
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     max_query_len: int

@@ -208,7 +208,7 @@ def test_attention_layer_passes_its_variants_and_the_sinks_to_the_backend():
     calls = []
     backend = SimpleNamespace(store_kv=lambda *args: None,
                               paged_attention=lambda *args, **kwargs: calls.append(kwargs) or args[0])
-    metadata = AttentionMetadata(slot_mapping=torch.zeros(3, dtype=torch.long), block_tables=torch.zeros(1, 1),
+    metadata = AttentionMetadata(slot_mapping=(torch.zeros(3, dtype=torch.long),), block_tables=(torch.zeros(1, 1),),
                                  seq_lens=torch.tensor([3]), query_start_loc=torch.tensor([0, 3]),
                                  max_query_len=3, max_seq_len=3, backend=backend)
     q, kv = torch.zeros(3, 4 * 8), torch.zeros(3, 2 * 8)

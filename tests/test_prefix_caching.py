@@ -45,7 +45,7 @@ def assert_no_block_held(llm: LLM) -> None:
     manager = llm.engine.engine_core.block_manager
     testing.assert_all_blocks_free(llm)
     assert all(block.ref_count == 0 for block in manager.blocks)
-    assert all(manager.blocks[block_id].hash == h for h, block_id in manager.cached.items())
+    assert all(manager.blocks[block_id].cache_key == key for key, block_id in manager.cached.items())
     assert not llm.engine.engine_core.scheduler.retained
 
 
@@ -80,13 +80,13 @@ def test_a_shared_block_is_written_only_while_its_one_writer_fills_it(make_llm):
         batch = original()
         writers: dict[int, str] = {}
         for request_id, start, count, row in zip(batch.request_ids, batch.num_computed_tokens,
-                                                 batch.num_scheduled_tokens, batch.block_tables):
+                                                 batch.num_scheduled_tokens, batch.block_tables[0]):
             for index in range(start // 16, (start + count - 1) // 16 + 1):
                 block = manager.blocks[int(row[index])]
                 assert writers.setdefault(block.block_id, request_id) == request_id, "two writers of one block"
                 # Shared while written only if it becomes a cached full block this very step
                 # (a later request of the same step reads it after the forward writes it).
-                assert block.ref_count == 1 or block.hash is not None
+                assert block.ref_count == 1 or block.cache_key is not None
                 checked.append(block.ref_count)
         return batch
 

@@ -18,7 +18,7 @@ def _advance(scheduler, batch):
 def test_allocation_rounds_up_to_whole_blocks():
     manager = BlockManager(num_blocks=10, block_size=16)
     r = _request("a", 17)
-    assert manager.allocate_slots(r, 17) and len(r.block_ids) == 2
+    assert manager.allocate_slots(r, 17) and r.block_ids == [[0, 1]]  # one KV cache group: one table
     manager.free(r)
     assert manager.num_free_blocks == 10 and r.block_ids == []
 
@@ -30,7 +30,7 @@ def test_block_tables_mirror_block_ids_and_free_rows_are_reused():
     manager.allocate_slots(b, 100)
     a.num_computed_tokens = 20
     manager.allocate_slots(a, 20)  # grows a's row in place
-    assert manager.block_tables([b, a]).tolist() == [b.block_ids, a.block_ids + [0] * 4]
+    assert manager.block_tables([b, a]).tolist() == [[b.block_ids[0], a.block_ids[0] + [0] * 4]]
     row = a.block_table_row
     manager.free(a)
     c = _request("c", 5)

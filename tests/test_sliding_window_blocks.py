@@ -15,11 +15,12 @@ import torch
 from transformers import Gemma3TextConfig, MistralConfig, PretrainedConfig, Qwen2Config
 
 from hookllm import LLM, BeamSearchParams, SamplingParams, testing
-from hookllm.config import layer_sliding_windows, uniform_sliding_window
+from hookllm.config import layer_sliding_windows
 from hookllm.sched.block_manager import BlockManager
 from hookllm.sched.output import SchedulerOutput
 from hookllm.sched.request import Request
 from hookllm.sched.scheduler import Scheduler
+from hookllm.worker.kv_cache_groups import group_layers
 
 from test_beam_search import reference_beams
 
@@ -33,25 +34,27 @@ SCHEDULING = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sy
 MAX_TOKENS = 24
 
 
-# -- the KV cache spec from the HF config ----------------------------------------------------------
+# -- the layers' windows from the HF config, and the KV cache groups they make --------------------
 
-@pytest.mark.parametrize("config, windows, uniform", [
-    (MistralConfig(num_hidden_layers=3, sliding_window=64), [64] * 3, 64),
-    (MistralConfig(num_hidden_layers=3, sliding_window=None), [None] * 3, None),
-    (Qwen2Config(num_hidden_layers=2, sliding_window=64), [None] * 2, None),  # use_sliding_window off
-    (Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=64, max_window_layers=0), [64] * 2, 64),
+@pytest.mark.parametrize("config, windows, group_windows", [
+    (MistralConfig(num_hidden_layers=3, sliding_window=64), [64] * 3, (64,)),
+    (MistralConfig(num_hidden_layers=3, sliding_window=None), [None] * 3, (None,)),
+    (Qwen2Config(num_hidden_layers=2, sliding_window=64), [None] * 2, (None,)),  # use_sliding_window off
+    (Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=64, max_window_layers=0), [64] * 2,
+     (64,)),
     (Qwen2Config(num_hidden_layers=3, use_sliding_window=True, sliding_window=64, max_window_layers=1),
-     [None, 64, 64], None),
-    (Gemma3TextConfig(num_hidden_layers=3, sliding_window=64, layer_types=["sliding_attention"] * 3), [64] * 3, 64),
-    (Gemma3TextConfig(num_hidden_layers=7, sliding_window=64), [64] * 5 + [None, 64], None),
-    (MistralConfig(num_hidden_layers=2, sliding_window=4096), [4096] * 2, None),  # never slides within 2048
-    (PretrainedConfig(sliding_window=64), [64], 64),  # a third-party config naming no layer count
-    (PretrainedConfig(sliding_window=64, use_sliding_window=False, num_hidden_layers=2), [None] * 2, None),
+     [None, 64, 64], (None, 64, 64)),
+    (Gemma3TextConfig(num_hidden_layers=3, sliding_window=64, layer_types=["sliding_attention"] * 3), [64] * 3,
+     (64,)),
+    (Gemma3TextConfig(num_hidden_layers=7, sliding_window=64), [64] * 5 + [None, 64], (None,) + (64,) * 6),
+    (MistralConfig(num_hidden_layers=2, sliding_window=4096), [4096] * 2, (None,)),  # never slides within 2048
+    (PretrainedConfig(sliding_window=64), [64], (64,)),  # a third-party config naming no layer count
+    (PretrainedConfig(sliding_window=64, use_sliding_window=False, num_hidden_layers=2), [None] * 2, (None,)),
 ], ids=["mistral", "mistral-full", "qwen2-off", "qwen2-all", "qwen2-hybrid", "all-sliding-types", "gemma3",
         "window-past-max-len", "raw", "raw-off"])
-def test_sliding_windows_are_read_from_the_hf_config(config, windows, uniform):
+def test_sliding_windows_are_read_from_the_hf_config(config, windows, group_windows):
     assert layer_sliding_windows(config) == windows
-    assert uniform_sliding_window(config, max_model_len=2048) == uniform
+    assert group_layers(windows, [(2, 16)] * len(windows), max_model_len=2048).windows == group_windows
 
 
 # -- block accounting, without a model -------------------------------------------------------------
@@ -66,7 +69,7 @@ def run_alone(scheduler: Scheduler, request: Request, check) -> None:
 
 
 def test_a_long_sequence_holds_at_most_its_window_and_gives_the_rest_back():
-    manager = BlockManager(12, BLOCK, enable_prefix_caching=True, sliding_window=WINDOW)
+    manager = BlockManager(12, BLOCK, enable_prefix_caching=True, group_windows=[WINDOW])
     # Chunks of 20 tokens start off block boundaries: one spans 5 blocks with the 39 tokens before it.
     scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=20)
     request = Request("long", list(range(2, 102)), testing.greedy(200))
@@ -75,7 +78,7 @@ def test_a_long_sequence_holds_at_most_its_window_and_gives_the_rest_back():
     held = []
 
     def check(batch: SchedulerOutput) -> None:
-        live = manager.live_block_ids(request)
+        live = manager.live_block_ids(request)[0]
         held.append(len(live))
         assert manager.num_free_blocks == manager.num_blocks - len(live)
         assert manager.null_block not in live and len(set(live)) == len(live)
@@ -83,8 +86,8 @@ def test_a_long_sequence_holds_at_most_its_window_and_gives_the_rest_back():
             assert len(live) <= DECODE_PEAK
         # The block table: null entries before the window of the step's first query, live ones after.
         first = max(0, (batch.num_computed_tokens[0] - WINDOW + 1) // BLOCK)
-        assert (batch.block_tables[0, :first] == manager.null_block).all()
-        assert batch.block_tables[0, first:len(request.block_ids)].tolist() == live
+        assert (batch.block_tables[0, 0, :first] == manager.null_block).all()
+        assert batch.block_tables[0, 0, first:len(request.block_ids[0])].tolist() == live
 
     run_alone(scheduler, request, check)
     assert len(request.block_ids) == 0 and max(held) == 5 and held[-1] <= DECODE_PEAK
@@ -94,35 +97,35 @@ def test_a_long_sequence_holds_at_most_its_window_and_gives_the_rest_back():
 
 def test_a_prefix_hit_needs_only_the_blocks_its_window_reads():
     # 8 blocks: the null block and 7 that a 100-token prompt fills.
-    manager = BlockManager(8, BLOCK, enable_prefix_caching=True, sliding_window=WINDOW)
+    manager = BlockManager(8, BLOCK, enable_prefix_caching=True, group_windows=[WINDOW])
     prompt = list(range(2, 102))
     first = Request("first", prompt, testing.greedy(4))
     assert manager.allocate_slots(first, 100)
-    blocks = list(first.block_ids)
+    blocks = list(first.block_ids[0])
     first.num_computed_tokens = 100
     manager.free_out_of_window(first)  # the next query (position 100) reads 61..100: blocks 3..6
-    assert first.block_ids == [manager.null_block] * 3 + blocks[3:]
+    assert first.block_ids == [[manager.null_block] * 3 + blocks[3:]]
     assert manager.num_free_blocks == 3
     # Another prompt takes two free blocks: blocks 2 and 1 of the first, freed last (their hashes go).
     other = Request("other", list(range(200, 220)), testing.greedy(4))
-    assert manager.allocate_slots(other, 20) and other.block_ids == [blocks[2], blocks[1]]
+    assert manager.allocate_slots(other, 20) and other.block_ids == [[blocks[2], blocks[1]]]
     # A query at 96 reads 57..96: blocks 3..5, all cached (held by the first request), so 96 tokens hit.
     again = Request("again", prompt + [7], testing.greedy(4))
-    assert manager.find_cached_prefix(again) == [manager.null_block] * 3 + blocks[3:6]
+    assert manager.find_cached_prefix(again) == [(block,) for block in [manager.null_block] * 3 + blocks[3:6]]
     # With block 4 gone, no run ending past it has its window cached: only block 0, still cached, hits.
     evicted = manager.blocks[blocks[4]]
-    del manager.cached[evicted.hash]
-    evicted.hash = None
-    assert manager.find_cached_prefix(Request("partial", prompt + [7], testing.greedy(4))) == blocks[:1]
+    del manager.cached[evicted.cache_key]
+    evicted.cache_key = None
+    assert manager.find_cached_prefix(Request("partial", prompt + [7], testing.greedy(4))) == [(blocks[0],)]
 
 
 def test_without_a_window_block_0_is_an_ordinary_block():
     manager = BlockManager(4, BLOCK)
     request = Request("r", list(range(2, 60)), testing.greedy(4))
-    assert manager.allocate_slots(request, 58) and request.block_ids == [0, 1, 2, 3]
+    assert manager.allocate_slots(request, 58) and request.block_ids == [[0, 1, 2, 3]]
     request.num_computed_tokens = 58
     manager.free_out_of_window(request)
-    assert request.block_ids == [0, 1, 2, 3] and manager.num_blocks == 4
+    assert request.block_ids == [[0, 1, 2, 3]] and manager.num_blocks == 4
 
 
 # -- the engine, against transformers --------------------------------------------------------------
@@ -142,19 +145,22 @@ def make_llm(path, **kwargs) -> LLM:
 
 
 def watch_blocks(llm: LLM) -> list[SchedulerOutput]:
-    """Record every batch, checking as it is scheduled that each request holds only the blocks
-    its window needs and that no new token goes to the null block."""
+    """Record every batch, checking as it is scheduled that in each KV cache group each request
+    holds only the blocks its window needs (every one without a window) and that no new token
+    goes to the null block."""
     manager = llm.engine.engine_core.block_manager
     batches = []
     schedule = llm.engine.engine_core.scheduler.schedule
 
     def checking() -> SchedulerOutput:
         batch = schedule()
-        for row, (computed, count) in enumerate(zip(batch.num_computed_tokens, batch.num_scheduled_tokens)):
-            first, end = max(0, (computed - WINDOW + 1) // BLOCK), -(-(computed + count) // BLOCK)
-            table = batch.block_tables[row]
-            assert (table[:first] == manager.null_block).all() and (table[first:end] != manager.null_block).all()
-            assert end - first <= (DECODE_PEAK if count == 1 else manager.peak_blocks(10**6, count))
+        for tables, window in zip(batch.block_tables, manager.group_windows, strict=True):
+            for table, computed, count in zip(tables, batch.num_computed_tokens, batch.num_scheduled_tokens):
+                first = 0 if window is None else max(0, (computed - window + 1) // BLOCK)
+                end = -(-(computed + count) // BLOCK)
+                assert (table[:first] == manager.null_block).all() and (table[first:end] != manager.null_block).all()
+                if window is not None:  # the chunk and the W - 1 tokens before it, however they straddle blocks
+                    assert end - first <= -(-(window - 1 + count + BLOCK - 1) // BLOCK)
         batches.append(batch)
         return batch
 
@@ -166,12 +172,12 @@ def assert_no_block_held(llm: LLM) -> None:
     manager = llm.engine.engine_core.block_manager
     testing.assert_all_blocks_free(llm)
     assert all(block.ref_count == 0 for block in manager.blocks)
-    assert all(manager.blocks[block_id].hash == h for h, block_id in manager.cached.items())
+    assert all(manager.blocks[block_id].cache_key == key for key, block_id in manager.cached.items())
 
 
-def slid(batches: list[SchedulerOutput]) -> bool:
+def slid(batches: list[SchedulerOutput], window: int = WINDOW) -> bool:
     """Whether some step's queries started past the first block of their window."""
-    return any(computed - WINDOW + 1 >= BLOCK for batch in batches for computed in batch.num_computed_tokens)
+    return any(computed - window + 1 >= BLOCK for batch in batches for computed in batch.num_computed_tokens)
 
 
 @SCHEDULING
@@ -272,16 +278,19 @@ def test_beam_search_forks_match_transformers(mistral):
     assert_no_block_held(llm)
 
 
-def test_a_model_mixing_full_and_sliding_layers_keeps_every_block(tmp_path):
+def test_a_native_model_mixing_full_and_sliding_layers_frees_its_sliding_groups_blocks(tmp_path):
     config = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
     path = testing.build_tiny_checkpoint(config, tmp_path)
-    llm = make_llm(path)
-    manager = llm.engine.engine_core.block_manager
-    assert manager.sliding_window is None and manager.null_block is None
+    llm = make_llm(path, max_num_batched_tokens=32)
     layers = llm.engine.engine_core.worker.model.model.layers
     assert [layer.self_attn.attn.sliding_window for layer in layers] == [None, WINDOW]
+    assert [layer.self_attn.attn.kv_cache_group for layer in layers] == [0, 1]
+    assert llm.engine.engine_core.block_manager.group_windows == (None, WINDOW)
+    batches = watch_blocks(llm)
     testing.assert_greedy_matches(llm, testing.load_reference(path),
                                   testing.random_prompts(2, 320, min_len=60, max_len=90, seed=2), max_tokens=12)
+    assert slid(batches)
+    assert_no_block_held(llm)
 
 
 def test_prompt_logprobs_are_computed_for_every_prompt_token_despite_the_prefix_cache(mistral):

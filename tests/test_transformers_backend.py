@@ -2,7 +2,7 @@
 
 Each architecture is a tiny random checkpoint (fp32, CPU). hookllm's greedy tokens must equal
 transformers' ``generate`` and its prompt logprobs a transformers forward's log-softmax, with
-prefill chunked (32-token steps), requests preempted (8 KV blocks for 4 prompts), in both
+prefill chunked (32-token steps), requests preempted (the bytes of 8 KV blocks for 4 prompts), in both
 scheduling modes, and again from the prefix cache. Windowed models get prompts longer than
 their window. Then: the fallback and ``model_impl``, the one-line refusals, ``hookllm plugins``.
 """
@@ -22,6 +22,7 @@ from transformers import (
 )
 
 from hookllm import LLM, SamplingParams, testing
+from hookllm.config import layer_sliding_windows
 from hookllm.adapters.transformers.kernels import FusedGatedMLP
 from hookllm.adapters.transformers.model import TransformersForCausalLM
 from hookllm.layers import RMSNorm
@@ -85,6 +86,7 @@ class Expected:
     path: Any
     model_impl: str
     windowed: bool
+    hybrid: bool  # sliding and full layers: a KV cache group each, whose blocks hold one of the two layers
     prompts: list[list[int]]
     tokens: list[list[int]]  # transformers' greedy continuation of each prompt
     logprobs: list[torch.Tensor]  # log-softmax of a transformers forward over each prompt
@@ -100,7 +102,8 @@ def expected_of(config: Any, path: Any, model_impl: str, prompts: list[list[int]
     assert sum(len(set(t)) > 1 for t in tokens) >= 3, "constant reference outputs prove little"
     with torch.inference_mode():
         logprobs = [reference(torch.tensor([p])).logits[0].float().log_softmax(-1) for p in prompts]
-    return Expected(path, model_impl, windowed(config), prompts, tokens, logprobs)
+    hybrid = len(set(layer_sliding_windows(config))) > 1
+    return Expected(path, model_impl, windowed(config), hybrid, prompts, tokens, logprobs)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -127,7 +130,10 @@ def assert_prompt_logprobs(output: Any, prompt: list[int], expected: torch.Tenso
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_tokens_and_prompt_logprobs_equal_transformers(case, async_scheduling):
-    llm = make_llm(case, max_num_batched_tokens=32, num_kv_blocks=8, async_scheduling=async_scheduling)
+    # 4 prompts overflow 8 blocks of both layers; 16 blocks of one layer each (hybrid) are as many bytes.
+    llm = make_llm(case, max_num_batched_tokens=32, num_kv_blocks=16 if case.hybrid else 8,
+                   async_scheduling=async_scheduling)
+    assert (llm.engine.engine_core.block_manager.group_windows == (None, WINDOW)) == case.hybrid
     model = llm.engine.engine_core.worker.model
     assert isinstance(model, TransformersForCausalLM)
     assert any(layer.sliding_window == WINDOW for layer in model.attention) == case.windowed
@@ -225,13 +231,6 @@ def test_unknown_architecture_names_the_fallback(tmp_path):
     with pytest.raises(ValueError, match=r"no installed plugin serves architecture 'NoSuchModelForCausalLM'.*"
                                          r"plugin 'transformers' serves every other causal LM"):
         LLM(save_config(config, tmp_path), dtype="float32", device="cpu")
-
-
-def test_tensor_parallel_is_refused(tmp_path):
-    config = Phi3Config(**small())
-    config.architectures = ["Phi3ForCausalLM"]
-    with pytest.raises(ValueError, match=r"TransformersForCausalLM does not support tensor parallelism"):
-        LLM(save_config(config, tmp_path), dtype="float32", device="cpu", tensor_parallel_size=2)
 
 
 def test_model_impl_picks_the_implementation(tiny_llama_dir, tmp_path):

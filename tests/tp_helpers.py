@@ -101,8 +101,8 @@ def paged_logits(model: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> to
         rows = torch.cat([torch.full((hi - lo,), i) for i, (lo, hi) in enumerate(spans)])
         counts = torch.tensor([hi - lo for lo, hi in spans])
         metadata = AttentionMetadata(
-            slot_mapping=table[rows, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE,
-            block_tables=table,
+            slot_mapping=(table[rows, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE,),
+            block_tables=(table,),
             seq_lens=torch.tensor([hi for _, hi in spans], dtype=torch.int32),
             query_start_loc=torch.cat([torch.zeros(1), counts.cumsum(0)]).to(torch.int32),
             max_query_len=int(counts.max()), max_seq_len=max(hi for _, hi in spans), backend=backend,

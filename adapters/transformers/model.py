@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from hookllm.adapters.transformers import attention, support
+from hookllm.adapters.transformers import attention, parallel, support
 from hookllm.adapters.transformers.kernels import head_alone, use_hookllm_modules
 from hookllm.adapters.transformers.weights import build_empty, load_checkpoint_tensors, materialize
 from hookllm.distributed import get_tp_size
@@ -28,6 +28,7 @@ class TransformersForCausalLM(nn.Module):
     (its device and dtype are the current defaults)."""
 
     supports_torch_compile = True
+    supports_tensor_parallel = True  # split as the config's transformers plan says (.parallel)
 
     def __init__(self, config: Any):
         super().__init__()
@@ -47,6 +48,8 @@ class TransformersForCausalLM(nn.Module):
         if not path:
             raise support.Unsupported(f"{model_cls.__name__}: no decoder module to run without its LM head")
         self._decoder_parent, _, self._decoder_name = path.rpartition(".")
+        # Each rank keeps its slice of the split weights, so storage and loading are per slice.
+        parallel.shard(self.hf_model)
         materialize(self.hf_model, dtype)
         # One paged layer per attention module, in layer_idx order, as transformers' code calls it.
         specs = attention.probe(self.hf_model, self.decoder)

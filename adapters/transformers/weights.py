@@ -9,11 +9,16 @@ Checkpoint names map onto parameter names as transformers maps them: most are eq
 conversion mapping (``transformers.conversion_mapping``, the same functions in 5.17 and 5.24)
 renames legacy names and fuses per-expert MoE tensors into the stacked parameters transformers 5
 modules hold.
+
+Under tensor parallelism the loader hands over lazy safetensors slices: a parameter split over
+the ranks (:mod:`.parallel`: it carries a ``weight_loader``) reads only its part of one;
+anything else, the tensors transformers' conversions combine included, is read whole.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import re
 from typing import Any, Iterable
 
@@ -24,6 +29,8 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
 from hookllm.adapters.transformers.attention import IMPLEMENTATION
+from hookllm.layers.linear import LoadedWeight, loaded_shape
+from hookllm.layers.linear import materialize as read_whole
 
 # Buffers older checkpoints saved that transformers now computes (it skips them the same way).
 COMPUTED_BUFFERS = re.compile(r"rotary_emb\.inv_freq$|(^|\.)position_ids$")
@@ -39,7 +46,8 @@ def build_empty(model_cls: type, config: Any, dtype: torch.dtype) -> nn.Module:
 
 def materialize(model: nn.Module, dtype: torch.dtype) -> None:
     """Give every meta parameter uninitialized storage on the current default device, in its
-    built dtype or float32 where transformers keeps it so, then tie the tied weights."""
+    built dtype or float32 where transformers keeps it so, then tie the tied weights. What a
+    parameter carries (a split parameter's loader) stays with it."""
     keep_fp32 = _fp32_pattern(model, dtype)
     new: dict[int, nn.Parameter] = {}
     for path, module in model.named_modules(remove_duplicate=False):
@@ -51,6 +59,7 @@ def materialize(model: nn.Module, dtype: torch.dtype) -> None:
                 fp32 = keep_fp32 is not None and keep_fp32.search(full_name)
                 storage = torch.empty(param.shape, dtype=torch.float32 if fp32 else param.dtype)
                 new[id(param)] = nn.Parameter(storage, requires_grad=False)
+                new[id(param)].__dict__.update(param.__dict__)
             module._parameters[name] = new[id(param)]
     model.tie_weights()
 
@@ -68,9 +77,10 @@ def _fp32_pattern(model: nn.Module, dtype: torch.dtype) -> re.Pattern | None:
     return re.compile("|".join(name.replace(".", r"\.").replace("*", ".*") for name in sorted(names)))
 
 
-def load_checkpoint_tensors(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy ``(checkpoint name, tensor)`` pairs into ``model``'s (materialized) parameters and
-    persistent buffers, converting names and tensors the way transformers does.
+def load_checkpoint_tensors(model: nn.Module, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
+    """Copy ``(checkpoint name, tensor or lazy safetensors slice)`` pairs into ``model``'s
+    (materialized) parameters and persistent buffers, converting names and tensors the way
+    transformers does.
 
     A tied weight (``lm_head`` tied to the embedding) is loaded from whichever name the
     checkpoint holds. ``ValueError`` naming the first missing parameter and the first unexpected
@@ -114,14 +124,16 @@ def load_checkpoint_tensors(model: nn.Module, weights: Iterable[tuple[str, torch
                 unexpected.append(ckpt_name)
         elif pattern is not None:
             target = targets[name]
-            fused.setdefault(name, []).append((ckpt_name, pattern, tensor.to(target.device, target.dtype)))
+            whole = read_whole(tensor).to(target.device, target.dtype)
+            fused.setdefault(name, []).append((ckpt_name, pattern, whole))
             # Conversions stack, concatenate, split or transpose: they keep the element count, so
-            # a group is whole once it holds its parameter's; fusing it then bounds the memory
-            # held to one group (one layer's experts), not every expert of the model.
-            if sum(part[2].numel() for part in fused[name]) >= target.numel():
+            # a group is whole once it holds its parameter's checkpoint count (a split parameter
+            # holds less); fusing it then bounds the memory held to one group (one layer's
+            # experts), not every expert of the model.
+            if sum(part[2].numel() for part in fused[name]) >= math.prod(_checkpoint_shape(target)):
                 fuse(name)
         elif name not in canonical:
-            aliases.append((name, tensor))
+            aliases.append((name, read_whole(tensor)))  # a lazy slice is readable only while its file is open
         else:
             _copy(targets[name], tensor, ckpt_name, loaded)
     for name in list(fused):
@@ -138,13 +150,27 @@ def load_checkpoint_tensors(model: nn.Module, weights: Iterable[tuple[str, torch
         raise ValueError(f"checkpoint does not match {type(model).__name__}: " + "; ".join(problems))
 
 
-def _copy(target: torch.Tensor, tensor: torch.Tensor, ckpt_name: str, loaded: set[int]) -> None:
-    if target.shape != tensor.shape:
-        raise ValueError(f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}, "
-                         f"the model expects {tuple(target.shape)}")
+def _copy(target: torch.Tensor, tensor: LoadedWeight, ckpt_name: str, loaded: set[int]) -> None:
+    """Fill ``target`` from a whole tensor or lazy slice: through its ``weight_loader`` (its part
+    only) where it is split over tensor-parallel ranks, else whole."""
+    weight_loader = getattr(target, "weight_loader", None)
     with torch.no_grad():
-        target.copy_(tensor)
+        if weight_loader is not None:
+            try:
+                weight_loader(target, tensor)
+            except ValueError as exc:
+                raise ValueError(f"checkpoint tensor {ckpt_name}: {exc}") from exc
+        elif tuple(target.shape) != loaded_shape(tensor):
+            raise ValueError(f"checkpoint tensor {ckpt_name} has shape {loaded_shape(tensor)}, "
+                             f"the model expects {tuple(target.shape)}")
+        else:
+            target.copy_(read_whole(tensor))
     loaded.add(id(target))
+
+
+def _checkpoint_shape(target: torch.Tensor) -> tuple[int, ...]:
+    """``target``'s shape in the checkpoint: whole, where it is split over tensor-parallel ranks."""
+    return getattr(target, "checkpoint_shape", tuple(target.shape))
 
 
 def _ignore_pattern(model: nn.Module, attribute: str) -> re.Pattern | None:

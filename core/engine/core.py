@@ -75,7 +75,7 @@ class EngineCore:
         self.worker = (Worker(config, model_config, hooks, registry)
                        if config.tensor_parallel_size == 1 else MultiprocWorkers(config))
         self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                          model_config.sliding_window)
+                                          self.worker.kv_cache_groups.windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    eos_token_ids(model_config, tokenizer), config.preemption_mode,
                                    self.worker.num_host_blocks)

@@ -1,7 +1,8 @@
 """The paged attention layer every adapter uses.
 
-The layer owns one layer's K and V cache (bound by the worker once the cache is allocated) and
-delegates to the backend named in the forward context: the pure-torch reference or Triton.
+The layer holds one layer's K and V cache and its KV cache group (both bound by the worker: the
+cache tensors may be shared with the layers of other groups) and delegates to the backend named
+in the forward context: the pure-torch reference or Triton.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class Attention(nn.Module):
         # [num_blocks, block_size, num_kv_heads, head_dim] each; empty until the worker binds them.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # Whose block tables and slot mapping it reads (hookllm.worker.kv_cache_groups).
+        self.kv_cache_group = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -46,9 +49,10 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        ctx.backend.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        group = self.kv_cache_group
+        ctx.backend.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping[group])
         out = ctx.backend.paged_attention(
-            q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+            q, self.k_cache, self.v_cache, ctx.block_tables[group], ctx.seq_lens, ctx.query_start_loc,
             ctx.max_query_len, ctx.max_seq_len, self.scale,
             sliding_window=self.sliding_window, softcap=self.softcap, sinks=sinks,
         )

@@ -9,11 +9,18 @@ request is ever written: a request about to write into a block it shares (the pa
 of a fork) gets a private copy first (copy-on-write), which the worker makes before the step's
 forward.
 
-With a sliding window of W tokens in every layer (``sliding_window``), a query at position p
-reads keys p - W + 1 .. p only, so a sequence's blocks wholly before its next query's window
-are freed as it advances: its block table keeps them as the null block (block 0, reserved,
-never written), which the kernels never read. Such a request holds at most a chunk's blocks
-plus the W - 1 tokens before it (``peak_blocks``).
+KV cache groups (``hookllm.worker.kv_cache_groups``): the model's layers are grouped by sliding
+window, and a request holds one block table per group (``request.block_ids[group]``), all the
+same length, one entry per ``block_size`` tokens; the groups draw block ids from one pool. A
+model whose layers all share one window (or have none) has one group: the manager then does
+exactly what a single block table does. Prefix caching keys a block by (group, hash): the same
+tokens have one hash but a block per group.
+
+In a group whose layers slide over W tokens, a query at position p reads keys p - W + 1 .. p
+only, so a sequence's blocks wholly before its next query's window are freed as it advances:
+that group's table keeps them as the null block (block 0, reserved, never written), which the
+kernels never read. There a request holds at most a chunk's blocks plus the W - 1 tokens
+before it, while a full-attention group holds every block (``peak_blocks`` sums the groups).
 """
 
 from __future__ import annotations
@@ -50,34 +57,40 @@ def _block_hash(parent: bytes, token_ids: Sequence[int], images: list[tuple[str,
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash")
+    __slots__ = ("block_id", "ref_count", "cache_key")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: bytes | None = None  # set while the block is findable in the prefix cache
+        # (group, content hash) while the block is findable in the prefix cache.
+        self.cache_key: tuple[int, bytes] | None = None
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 sliding_window: int | None = None):
+                 group_windows: Sequence[int | None] = (None,)):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.sliding_window = sliding_window
+        # Each KV cache group's sliding window in tokens, None for full attention: a request holds
+        # one block table per group.
+        self.group_windows = tuple(group_windows)
+        # Each sliding window and its groups (a model's sliding layers may fill several).
+        self.window_groups = [(window, [group for group, own in enumerate(self.group_windows) if own == window])
+                              for window in dict.fromkeys(self.group_windows) if window is not None]
         # With a window, the entries of blocks before it point at block 0, kept out of the free
         # list; without one, no entry is null and block 0 is an ordinary block.
-        self.null_block = 0 if sliding_window is not None else None
+        self.null_block = 0 if self.window_groups else None
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Blocks no request holds, least recently freed first: a cached one among them is evicted
         # (loses its hash) only when it is taken for new tokens.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(
             range(0 if self.null_block is None else 1, num_blocks))
-        self.cached: dict[bytes, int] = {}  # block hash -> block id
+        self.cached: dict[tuple[int, bytes], int] = {}  # (group, block hash) -> block id
         # (source, destination) block pairs the worker must copy before the next step runs.
         self.pending_copies: list[tuple[int, int]] = []
-        # Each request holding blocks owns a row mirroring its block_ids, so a step's block
-        # tables are one numpy gather instead of being rebuilt from Python lists.
-        self.table = np.zeros((0, 0), dtype=np.int32)
+        # Each request holding blocks owns a row (in every group's plane) mirroring its block_ids,
+        # so a step's block tables are one numpy gather instead of being rebuilt from Python lists.
+        self.table = np.zeros((len(self.group_windows), 0, 0), dtype=np.int32)
         self.free_rows: list[int] = []
 
     @property
@@ -93,15 +106,20 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def peak_blocks(self, num_tokens: int, max_chunk_tokens: int) -> int:
-        """The most blocks a request of up to ``num_tokens`` tokens holds at once when a step
-        computes at most ``max_chunk_tokens`` of it: every block without a window; with one, those
-        under a chunk and the W - 1 tokens before it, however they straddle block boundaries."""
+    def _group_peak(self, window: int | None, num_tokens: int, max_chunk_tokens: int) -> int:
+        """The most blocks one group's table of a request of up to ``num_tokens`` tokens holds at
+        once when a step computes at most ``max_chunk_tokens`` of it: every block without a
+        window; with one, those under a chunk and the W - 1 tokens before it, however they
+        straddle block boundaries."""
         blocks = self.blocks_needed(num_tokens)
-        if self.sliding_window is None:
+        if window is None:
             return blocks
-        live_tokens = self.sliding_window - 1 + min(max_chunk_tokens, num_tokens)
+        live_tokens = window - 1 + min(max_chunk_tokens, num_tokens)
         return min(blocks, self.blocks_needed(live_tokens + self.block_size - 1))
+
+    def peak_blocks(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """The most blocks a request of up to ``num_tokens`` tokens holds at once, over every group."""
+        return sum(self._group_peak(window, num_tokens, max_chunk_tokens) for window in self.group_windows)
 
     def blocks_to_fit(self, requests: list[Request], max_chunk_tokens: int) -> int:
         """The most blocks the completions of one user request (one, or ``n`` sharing a prompt)
@@ -111,20 +129,23 @@ class BlockManager:
         shared = (first.num_prompt_tokens // self.block_size
                   if len(requests) > 1 and self.enable_prefix_caching else 0)
         whole = shared + sum(self.blocks_needed(r.max_num_tokens) - shared for r in requests)
-        return min(whole, sum(self.peak_blocks(r.max_num_tokens, max_chunk_tokens) for r in requests))
+        return sum(min(whole, sum(self._group_peak(window, r.max_num_tokens, max_chunk_tokens) for r in requests))
+                   for window in self.group_windows)
 
-    def _window_start(self, position: int) -> int:
-        """The first block a query at ``position`` (or later) may read: 0 without a window."""
-        if self.sliding_window is None:
+    def _window_start(self, window: int | None, position: int) -> int:
+        """The first block a query at ``position`` (or later) may read in a group sliding over
+        ``window`` tokens: 0 without a window."""
+        if window is None:
             return 0
-        return max(0, (position - self.sliding_window + 1) // self.block_size)
+        return max(0, (position - window + 1) // self.block_size)
 
     def _live(self, block_ids: Sequence[int]) -> list[int]:
         return [block_id for block_id in block_ids if block_id != self.null_block]
 
-    def live_block_ids(self, request: Request) -> list[int]:
-        """The blocks the request holds, in order (its block-table entries that are not null)."""
-        return self._live(request.block_ids)
+    def live_block_ids(self, request: Request) -> list[list[int]]:
+        """Per group, the blocks the request holds, in order (its table's entries that are not
+        null); empty while it holds none."""
+        return [self._live(block_ids) for block_ids in request.block_ids]
 
     # -- prefix cache -------------------------------------------------------------------------
 
@@ -150,42 +171,61 @@ class BlockManager:
             hashes.append(_block_hash(parent, tokens[start:end], images))
         return hashes[:num_blocks]
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        """Block ids standing for the longest run of the request's full blocks it need not compute.
+    def find_cached_prefix(self, request: Request) -> list[tuple[int, ...]]:
+        """The longest run of the request's full blocks it need not compute: for each of those
+        blocks, its id in every group (the null block where a group's window has left it).
 
-        Without a window: the longest cached run from its start. With one: the longest run
-        whose blocks a query right after it reads (the last ceil((W - 1) / block_size)) are all
-        cached; the entries before those are the null block. A block's hash chains every token
-        before it, so a cached block holds this request's K/V whatever happened to its
-        predecessors. The last known token is never covered, so the request still computes a
-        row to sample from.
+        A run of n blocks is usable in a group when the blocks a query right after it reads are
+        all cached there: every block without a window; with one, the last ceil((W - 1) /
+        block_size), the entries before those being the null block. The run taken is the
+        longest usable in every group. A block's hash chains every token before it, so a cached
+        block holds this request's K/V whatever happened to its predecessors. The last known
+        token is never covered, so the request still computes a row to sample from.
         """
         if not self.enable_prefix_caching:
             return []
-        found = [self.cached.get(block_hash) for block_hash in
-                 self.block_hashes(request, (len(request.all_token_ids) - 1) // self.block_size)]
-        longest, run = 0, 0  # run: cached blocks in a row up to the current one
+        hashes = self.block_hashes(request, (len(request.all_token_ids) - 1) // self.block_size)
+        found, usable = [], []
+        limit = len(hashes)  # no run is longer than the longest usable in a group already seen
+        # Full-attention groups come first (hookllm.worker.kv_cache_groups): their usable runs are
+        # the prefixes up to the first miss, so later groups look up no further.
+        for group, window in enumerate(self.group_windows):
+            ids = [self.cached.get((group, block_hash)) for block_hash in hashes[:limit]]
+            found.append(ids)
+            usable.append(self._usable_runs(ids, window))
+            limit = max(end for end, ok in enumerate(usable[-1]) if ok)
+        longest = max(end for end in range(limit + 1) if all(ok[end] for ok in usable))
+        columns = []
+        for ids, window in zip(found, self.group_windows):
+            first = self._window_start(window, longest * self.block_size)
+            columns.append([self.null_block] * first + ids[first:longest])
+        return list(zip(*columns))
+
+    def _usable_runs(self, found: list[int | None], window: int | None) -> list[bool]:
+        """For each run length n (0 .. len(found)): whether a query right after the first n
+        blocks finds every block it reads in ``found`` (a group's cached ids, None if missing)."""
+        usable, run = [True], 0  # run: cached blocks in a row up to the current one
         for end, block_id in enumerate(found, 1):
             run = run + 1 if block_id is not None else 0
-            if run >= end - self._window_start(end * self.block_size):
-                longest = end
-        first = self._window_start(longest * self.block_size)
-        return [self.null_block] * first + found[first:longest]
+            usable.append(run >= end - self._window_start(window, end * self.block_size))
+        return usable
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Make the request's blocks full of its first ``num_tokens`` (known) tokens findable."""
         full = min(num_tokens, len(request.all_token_ids)) // self.block_size
-        if full <= request.num_registered_blocks:
+        registered = request.num_registered_blocks
+        if full <= registered:
             return
-        for i, block_hash in enumerate(self.block_hashes(request, full)[request.num_registered_blocks:],
-                                       request.num_registered_blocks):
-            if request.block_ids[i] == self.null_block:
-                continue  # out of its window (a request resumed from swap holds none there): not held
-            block = self.blocks[request.block_ids[i]]
-            # Another request may have computed the same content first: its block stays the cached one.
-            if block.hash is None and block_hash not in self.cached:
-                block.hash = block_hash
-                self.cached[block_hash] = block.block_id
+        hashes = self.block_hashes(request, full)
+        for group, block_ids in enumerate(request.block_ids):
+            for block_id, block_hash in zip(block_ids[registered:full], hashes[registered:]):
+                if block_id == self.null_block:
+                    continue  # out of its window (a request resumed from swap holds none there): not held
+                block, key = self.blocks[block_id], (group, block_hash)
+                # Another request may have computed the same content first: its block stays the cached one.
+                if block.cache_key is None and key not in self.cached:
+                    block.cache_key = key
+                    self.cached[key] = block_id
         request.num_registered_blocks = full
 
     def reset_prefix_cache(self) -> None:
@@ -193,87 +233,112 @@ class BlockManager:
         if len(self.free_block_ids) != self.num_blocks:
             raise RuntimeError("reset_prefix_cache needs every block free")
         for block_id in self.cached.values():
-            self.blocks[block_id].hash = None
+            self.blocks[block_id].cache_key = None
         self.cached.clear()
 
     # -- allocation ---------------------------------------------------------------------------
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        """Grow ``request.block_ids`` to hold its computed tokens, ``cached_blocks`` (a prefix-cache
-        hit from :meth:`find_cached_prefix`, taken first, whose tokens the caller then counts as
-        computed) and ``num_new_tokens``. With a window, the blocks that fell out of the request's
-        window are freed first, so they count as free here.
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_blocks: Sequence[tuple[int, ...]] = ()) -> bool:
+        """Grow every group's ``request.block_ids`` to hold its computed tokens, ``cached_blocks``
+        (a prefix-cache hit from :meth:`find_cached_prefix`, taken first, whose tokens the caller
+        then counts as computed) and ``num_new_tokens``. In a sliding group, the blocks that fell
+        out of the request's window are freed first, so they count as free here.
 
         Returns False when too few blocks are free, changing nothing else.
         """
         self.free_out_of_window(request)
         size = self.block_size
-        end, block_ids = request.num_computed_tokens + num_new_tokens, request.block_ids
-        first = request.num_computed_tokens // size
-        if (num_new_tokens and not cached_blocks and end <= len(block_ids) * size and first == (end - 1) // size
-                and self.blocks[block_ids[first]].ref_count == 1):
-            # The usual decode step, for every running request every step: the tokens go into a
-            # block the request alone holds already, so nothing is allocated, copied or rewritten.
+        # A request holding no blocks gets its tables only if the allocation succeeds.
+        tables = request.block_ids or [[] for _ in self.group_windows]
+        end, first = request.num_computed_tokens + num_new_tokens, request.num_computed_tokens // size
+        # A block a request writes next is shared only after a fork, which shares every group's
+        # block there alike (and the copy-on-write below copies them all): group 0's tells for all.
+        if (num_new_tokens and end <= len(tables[0]) * size and first == (end - 1) // size
+                and self.blocks[tables[0][first]].ref_count == 1):
+            # The usual decode step, for every running request every step: the tokens go into
+            # blocks the request alone holds already, so nothing is allocated, copied or rewritten.
             if self.enable_prefix_caching:
                 self._register_full_blocks(request, end)
             return True
         computed = request.num_computed_tokens + len(cached_blocks) * size
         total_blocks = self.blocks_needed(computed + num_new_tokens)
-        held = len(request.block_ids) + len(cached_blocks)
-        # A request resumed from swap holds nothing yet: the blocks before its window stay null.
-        start = max(held, self._window_start(computed))
-        # Blocks this step writes that another request also holds: each needs a private copy.
-        shared = [i for i in range(computed // size, min(len(request.block_ids), total_blocks))
-                  if self.blocks[request.block_ids[i]].ref_count > 1]
-        revived = sum(1 for block_id in self._live(cached_blocks) if self.blocks[block_id].ref_count == 0)
-        if max(total_blocks - start, 0) + len(shared) + revived > len(self.free_block_ids):
+        holding = len(tables[0])
+        held = holding + len(cached_blocks)
+        # Blocks this step writes that the request holds: those another request also holds (a
+        # fork's partial last block) each need a private copy.
+        rewritten = range(computed // size, min(holding, total_blocks))
+        starts, shared, wanted = [], [], 0
+        for window, block_ids in zip(self.group_windows, tables):
+            # A request resumed from swap holds nothing yet: the blocks before a window stay null.
+            start = max(held, self._window_start(window, computed))
+            copies = [i for i in rewritten if self.blocks[block_ids[i]].ref_count > 1] if rewritten else []
+            starts.append(start)
+            shared.append(copies)
+            wanted += max(total_blocks - start, 0) + len(copies)
+        cached_columns = list(zip(*cached_blocks))  # per group (only a request holding no blocks has a hit)
+        if cached_blocks:  # cached blocks nobody holds leave the free list
+            wanted += sum(1 for column in cached_columns for block_id in self._live(column)
+                          if self.blocks[block_id].ref_count == 0)
+        if wanted > len(self.free_block_ids):
             return False
-        first_changed = shared[0] if shared else len(request.block_ids)
-        if cached_blocks:  # only a request holding no blocks looks up the cache
-            for block_id in self._live(cached_blocks):
-                self._take(block_id)
-            request.block_ids += cached_blocks
-            request.num_registered_blocks = len(request.block_ids)
-        request.block_ids += [self.null_block] * (start - held)
-        for i in shared:
-            source = self.blocks[request.block_ids[i]]
-            source.ref_count -= 1
-            copy = self._allocate_free()
-            self.pending_copies.append((source.block_id, copy))
-            request.block_ids[i] = copy
-        for _ in range(total_blocks - len(request.block_ids)):
-            request.block_ids.append(self._allocate_free())
+        request.block_ids = tables
+        if cached_blocks:
+            for column in cached_columns:
+                for block_id in self._live(column):
+                    self._take(block_id)
+            request.num_registered_blocks = held
+        first_changed = holding
+        for group, block_ids in enumerate(tables):
+            if cached_blocks:
+                block_ids += cached_columns[group]
+            block_ids += [self.null_block] * (starts[group] - held)
+            for i in shared[group]:
+                first_changed = min(first_changed, i)
+                source = self.blocks[block_ids[i]]
+                source.ref_count -= 1
+                copy = self._allocate_free()
+                self.pending_copies.append((source.block_id, copy))
+                block_ids[i] = copy
+            for _ in range(total_blocks - len(block_ids)):
+                block_ids.append(self._allocate_free())
         self._write_row(request, first_changed)
         if self.enable_prefix_caching:
             self._register_full_blocks(request, computed + num_new_tokens)
         return True
 
     def free_out_of_window(self, request: Request) -> None:
-        """Free the request's blocks that no query from its next position on reads (wholly
-        before that query's window); their entries become the null block.
+        """In each sliding group, free the request's blocks that no query from its next position
+        on reads (wholly before that query's window); their entries become the null block.
 
         Under async scheduling the step still on the device may read them: another request can
         take them in the next step at the earliest, whose work the device runs after it (freeing
         a finished request's blocks at once relies on the same order).
         """
-        if self.sliding_window is None:
-            return
-        block_ids = request.block_ids
-        end = min(self._window_start(request.num_computed_tokens), len(block_ids))
-        i = end - 1
-        # Freed entries are a prefix: walk back from the window to the last one freed before.
-        while i >= 0 and block_ids[i] != self.null_block:
-            self._release(block_ids[i])
-            block_ids[i] = self.null_block
-            i -= 1
-        if i < end - 1:
-            self.table[request.block_table_row, i + 1:end] = self.null_block
+        tables = request.block_ids
+        held = len(tables[0]) if tables else 0
+        for window, groups in self.window_groups:
+            end = min(self._window_start(window, request.num_computed_tokens), held)
+            # Groups of one window free alike, so their null entries are the same: the first
+            # group tells whether any has a block to free (usually none: the window has not moved on).
+            if end == 0 or tables[groups[0]][end - 1] == self.null_block:
+                continue
+            for group in groups:
+                block_ids = tables[group]
+                i = end - 1
+                # Freed entries are a prefix: walk back from the window to the last one freed before.
+                while i >= 0 and block_ids[i] != self.null_block:
+                    self._release(block_ids[i])
+                    block_ids[i] = self.null_block
+                    i -= 1
+                self.table[group, request.block_table_row, i + 1:end] = self.null_block
 
     def fork(self, parent: Request, child: Request) -> None:
         """Let ``child`` share every block ``parent`` holds (it continues the parent's tokens)."""
-        for block_id in self.live_block_ids(parent):
-            self.blocks[block_id].ref_count += 1
-        child.block_ids = list(parent.block_ids)
+        for block_ids in self.live_block_ids(parent):
+            for block_id in block_ids:
+                self.blocks[block_id].ref_count += 1
+        child.block_ids = [list(block_ids) for block_ids in parent.block_ids]
         child.num_registered_blocks = parent.num_registered_blocks
         self._write_row(child, 0)
 
@@ -299,48 +364,55 @@ class BlockManager:
         """A free block for new tokens, least recently freed first, evicted from the cache."""
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash is not None:
-            del self.cached[block.hash]
-            block.hash = None
+        if block.cache_key is not None:
+            del self.cached[block.cache_key]
+            block.cache_key = None
         block.ref_count = 1
         return block_id
 
     def _write_row(self, request: Request, first: int) -> None:
+        """Mirror every group's block ids from ``first`` on into the request's table row."""
         if request.block_table_row is None:
             request.block_table_row = self._take_row()
-        self._fit_columns(len(request.block_ids))
-        self.table[request.block_table_row, first:len(request.block_ids)] = request.block_ids[first:]
+        width = len(request.block_ids[0])
+        self._fit_columns(width)
+        for group, block_ids in enumerate(request.block_ids):
+            self.table[group, request.block_table_row, first:width] = block_ids[first:]
 
     def block_tables(self, requests: list[Request]) -> np.ndarray:
-        """``[len(requests), max blocks among them]`` int32: each request's block ids, 0-padded."""
-        width = max((len(r.block_ids) for r in requests), default=0)
-        return self.table[[r.block_table_row for r in requests], :width]
+        """``[num groups, len(requests), max blocks among them]`` int32: each group's table of
+        each request, 0-padded."""
+        width = max((len(r.block_ids[0]) for r in requests), default=0)
+        return self.table[:, [r.block_table_row for r in requests], :width]
 
     def _take_row(self) -> int:
         if not self.free_rows:
-            rows = len(self.table)
-            grown = np.zeros((rows + max(rows, 16), self.table.shape[1]), dtype=np.int32)
-            grown[:rows] = self.table
+            groups, rows, columns = self.table.shape
+            grown = np.zeros((groups, rows + max(rows, 16), columns), dtype=np.int32)
+            grown[:, :rows] = self.table
             self.table = grown
-            self.free_rows = list(range(len(self.table) - 1, rows - 1, -1))
+            self.free_rows = list(range(grown.shape[1] - 1, rows - 1, -1))
         return self.free_rows.pop()
 
     def _fit_columns(self, width: int) -> None:
-        if width > self.table.shape[1]:
-            extra = max(width - self.table.shape[1], self.table.shape[1], 64)
-            self.table = np.pad(self.table, ((0, 0), (0, extra)))
+        columns = self.table.shape[2]
+        if width > columns:
+            self.table = np.pad(self.table, ((0, 0), (0, 0), (0, max(width - columns, columns, 64))))
 
     def free(self, request: Request) -> None:
         """Drop the request's reference to each of its blocks (finished, aborted or preempted).
 
-        Its last blocks are freed first, so they are evicted before the prefix others may share.
+        Its last blocks are freed first (in every group), so they are evicted before the prefix
+        others may share.
         """
-        for block_id in reversed(self.live_block_ids(request)):
-            self._release(block_id)
+        for position in reversed(list(zip(*request.block_ids))):
+            for block_id in position:
+                if block_id != self.null_block:
+                    self._release(block_id)
         request.block_ids = []
         request.num_registered_blocks = 0
         if request.block_table_row is not None:
-            self.table[request.block_table_row] = 0
+            self.table[:, request.block_table_row] = 0
             self.free_rows.append(request.block_table_row)
             request.block_table_row = None
 
@@ -348,7 +420,8 @@ class BlockManager:
 class HostBlockAllocator:
     """Which host (swap space) blocks hold the KV contents of swapped-out requests.
 
-    Plain ids, no sharing: only a request whose device blocks are all its own is swapped.
+    Plain ids, no sharing: only a request whose device blocks are all its own is swapped. Like
+    device blocks, a host block holds the K/V of one group's layers.
     """
 
     def __init__(self, num_blocks: int):
@@ -359,11 +432,14 @@ class HostBlockAllocator:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
-    def allocate(self, num_blocks: int) -> list[int] | None:
-        """``num_blocks`` free host block ids, or None (taking nothing) when too few are free."""
-        if num_blocks > len(self.free_block_ids):
+    def allocate(self, counts: list[int]) -> list[list[int]] | None:
+        """Per KV cache group, ``counts[group]`` free host block ids; None (taking nothing)
+        when too few are free."""
+        if sum(counts) > len(self.free_block_ids):
             return None
-        return [self.free_block_ids.pop() for _ in range(num_blocks)]
+        return [[self.free_block_ids.pop() for _ in range(count)] for count in counts]
 
-    def free(self, block_ids: list[int]) -> None:
-        self.free_block_ids += reversed(block_ids)
+    def free(self, block_ids: list[list[int]]) -> None:
+        """Give back host blocks, per group as :meth:`allocate` gave them."""
+        for group_block_ids in block_ids:
+            self.free_block_ids += reversed(group_block_ids)

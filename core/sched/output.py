@@ -34,20 +34,22 @@ class SchedulerOutput:
     num_computed_tokens: list[int]  # each request's computed tokens before this step
     new_token_ids: list[list[int]]  # output tokens each request has that the runner was not sent
     sampling_rows: list[int]  # indices into request_ids of the requests that sample this step
-    block_tables: np.ndarray  # [num scheduled, max blocks] int32
+    # Each KV cache group's block table of each scheduled request (hookllm.worker.kv_cache_groups).
+    block_tables: np.ndarray  # [num groups, num scheduled, max blocks] int32
     # (source, destination) KV blocks to copy before the step runs: copy-on-write of shared blocks.
+    # A block id names the same rows of every cache tensor in every group, so a pair is group-free.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # the runner drops their state
     preempted_request_ids: list[str] = field(default_factory=list)  # swapped out or to be recomputed
     # Swapping (preemption_mode="swap"), done by the worker before the step runs, swap-out
     # first: (device, host) blocks whose K/V move to host memory (the device blocks may be
-    # reused this step), then (host, device) blocks whose K/V come back.
+    # reused this step), then (host, device) blocks whose K/V come back; every group's blocks.
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def empty(cls, finished_request_ids: list[str] | None = None) -> "SchedulerOutput":
-        return cls([], [], [], [], [], [], np.zeros((0, 0), dtype=np.int32),
+        return cls([], [], [], [], [], [], np.zeros((0, 0, 0), dtype=np.int32),
                    finished_request_ids=finished_request_ids or [])
 
     @property

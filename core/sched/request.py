@@ -63,11 +63,12 @@ class Request:
         # Prompt plus max_tokens, capped by max_model_len: set_length_limit sets it once the prompt is final.
         self.max_num_tokens = sys.maxsize
         self.status = RequestStatus.WAITING
-        # Its KV blocks, one per block_size tokens; with a sliding window, those before its window
-        # are freed and their entries are the block manager's null block.
-        self.block_ids: list[int] = []
+        # Per KV cache group, its block table: one block per block_size tokens (in a sliding group,
+        # those before its window are freed and their entries are the block manager's null
+        # block); empty while it holds no blocks.
+        self.block_ids: list[list[int]] = []
         self.block_table_row: int | None = None  # its row in BlockManager.table while it holds blocks
-        self.host_block_ids: list[int] = []  # while swapped: where its blocks' K/V wait, in order
+        self.host_block_ids: list[list[int]] = []  # while swapped: per group, where its blocks' K/V wait, in order
         self.stop_reason: int | str | None = None
         # Prefix caching: SHA-256 digests of the full blocks of all_token_ids (filled lazily by the
         # block manager), how many of the held blocks it made findable, and the first admission's hit.

@@ -126,8 +126,9 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.block_manager.allocate_slots(request, num_new):
                 break
-            # Its first blocks take back their K/V from the host; the rest are new.
-            swap_in += zip(request.host_block_ids, self.block_manager.live_block_ids(request))
+            # In each group, its first blocks take back their K/V from the host; the rest are new.
+            for host_ids, device_ids in zip(request.host_block_ids, self.block_manager.live_block_ids(request)):
+                swap_in += zip(host_ids, device_ids)
             self.host_allocator.free(request.host_block_ids)
             request.host_block_ids = []
             self._start_running(self.swapped, num_new, scheduled, counts)
@@ -202,9 +203,11 @@ class Scheduler:
         can be, else free its blocks for it to be recomputed from the start."""
         # Swapped, it keeps only the blocks it reads when it resumes (its computed count stays).
         self.block_manager.free_out_of_window(request)
-        host_block_ids = self._host_blocks_for(request)
+        live_block_ids = self.block_manager.live_block_ids(request)
+        host_block_ids = self._host_blocks_for(request, live_block_ids)
         if host_block_ids is not None:
-            swap_out += zip(self.block_manager.live_block_ids(request), host_block_ids)
+            for device_ids, host_ids in zip(live_block_ids, host_block_ids):
+                swap_out += zip(device_ids, host_ids)
             request.host_block_ids = host_block_ids
             self.block_manager.free(request)  # its computed tokens stay computed
             request.status = RequestStatus.SWAPPED
@@ -215,19 +218,19 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def _host_blocks_for(self, request: Request) -> list[int] | None:
-        """Host blocks for a request about to be swapped out, or None: it is recomputed instead.
+    def _host_blocks_for(self, request: Request, live_block_ids: list[list[int]]) -> list[list[int]] | None:
+        """Host blocks for a request about to be swapped out (per group, one for each of its
+        ``live_block_ids``), or None: it is recomputed instead.
 
         Only a request holding every block alone is swapped: a shared block (prefix cache, fork)
         must stay on the device for its other holders. A request keeping its blocks for forks
         (beam search) is recomputed too, as a fork needs its blocks on the device.
         """
-        manager = self.block_manager
-        block_ids = manager.live_block_ids(request)
+        blocks = self.block_manager.blocks
         if (self.preemption_mode != "swap" or request.retain_blocks
-                or any(manager.blocks[block_id].ref_count > 1 for block_id in block_ids)):
+                or any(blocks[block_id].ref_count > 1 for block_ids in live_block_ids for block_id in block_ids)):
             return None
-        return self.host_allocator.allocate(len(block_ids))
+        return self.host_allocator.allocate([len(block_ids) for block_ids in live_block_ids])
 
     def update_from_output(self, batch: SchedulerOutput, token_ids: list[int]) -> list[tuple[Request, int]]:
         """Apply a step's sampled tokens (one per ``batch.sampling_rows``, in order): append each,

@@ -14,7 +14,8 @@ Inputs live in static buffers that each replay reads.
   and sequence counts, and the kernel reads the real layout from ``query_start_loc``.
 
 Attention is captured with ``max_seq_len = max_model_len``, so one graph serves every context
-length (the kernels read the real lengths from ``seq_lens``).
+length (the kernels read the real lengths from ``seq_lens``). The slot mapping and block tables
+have one plane per KV cache group; each layer's kernels read its group's plane.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def token_buckets(max_tokens: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(self, model: nn.Module, hidden_size: int, dtype: torch.dtype, device: torch.device,
                  max_batch_size: int, max_blocks_per_seq: int, max_model_len: int, backend: ModuleType,
-                 max_mixed_tokens: int = 0, max_num_seqs: int = 0):
+                 max_mixed_tokens: int = 0, max_num_seqs: int = 0, num_kv_cache_groups: int = 1):
         self.model = model
         self.max_model_len = max_model_len
         self.backend = backend
@@ -57,8 +58,9 @@ class CudaGraphRunner:
         seqs = max(max_batch_size, max_num_seqs)
         self.input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(tokens, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        groups = num_kv_cache_groups
+        self.slot_mapping = torch.full((groups, tokens), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(groups, seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(seqs, dtype=torch.int32, device=device)
         # A decode graph reads 0, 1, 2, ... and never has it written; a mixed one its own copy.
         self.decode_query_start_loc = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
@@ -70,7 +72,8 @@ class CudaGraphRunner:
 
     def _decode_metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs], seq_lens=self.seq_lens[:bs],
+            slot_mapping=self.slot_mapping[:, :bs].unbind(), block_tables=self.block_tables[:, :bs].unbind(),
+            seq_lens=self.seq_lens[:bs],
             query_start_loc=self.decode_query_start_loc[: bs + 1], max_query_len=1, max_seq_len=self.max_model_len,
             backend=self.backend,
         )
@@ -78,7 +81,7 @@ class CudaGraphRunner:
     def _mixed_metadata(self, tokens: int) -> AttentionMetadata:
         seqs = self.max_num_seqs
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:tokens], block_tables=self.block_tables[:seqs],
+            slot_mapping=self.slot_mapping[:, :tokens].unbind(), block_tables=self.block_tables[:, :seqs].unbind(),
             seq_lens=self.seq_lens[:seqs], query_start_loc=self.mixed_query_start_loc,
             max_query_len=self.max_model_len, max_seq_len=self.max_model_len, backend=self.backend,
         )
@@ -102,7 +105,7 @@ class CudaGraphRunner:
 
     def can_run(self, num_tokens: int, num_seqs: int, max_query_len: int, num_blocks: int) -> bool:
         """Whether a step of this shape has a graph (decode, or with prefill when captured)."""
-        if num_blocks > self.block_tables.shape[1]:
+        if num_blocks > self.block_tables.shape[2]:
             return False
         if max_query_len == 1:
             return num_seqs <= self.buckets[-1]
@@ -111,15 +114,16 @@ class CudaGraphRunner:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
             max_query_len: int) -> torch.Tensor:
-        """Hidden states of the step's tokens, through its bucket's graph (``can_run`` said yes)."""
+        """Hidden states of the step's tokens, through its bucket's graph (``can_run`` said yes);
+        ``slot_mapping`` and ``block_tables`` have a leading KV cache group dimension."""
         n, seqs = input_ids.shape[0], seq_lens.shape[0]
         decode = max_query_len == 1
         padded = next(b for b in (self.buckets if decode else self.mixed_buckets) if b >= n)
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
-        self.slot_mapping[:n] = slot_mapping
-        self.slot_mapping[n:padded] = -1
-        self.block_tables[:seqs, : block_tables.shape[1]] = block_tables
+        self.slot_mapping[:, :n] = slot_mapping
+        self.slot_mapping[:, n:padded] = -1
+        self.block_tables[:, :seqs, : block_tables.shape[2]] = block_tables
         self.seq_lens[:seqs] = seq_lens
         if decode:
             self.seq_lens[n:padded] = 1

@@ -41,8 +41,10 @@ class ModelInputs:
 
     input_ids: torch.Tensor  # [num_tokens] long
     positions: torch.Tensor  # [num_tokens] long
-    slot_mapping: torch.Tensor  # [num_tokens] long
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    # Per KV cache group (hookllm.worker.kv_cache_groups): one group is the single table of a
+    # model whose layers all read the same blocks.
+    slot_mapping: torch.Tensor  # [num_groups, num_tokens] long
+    block_tables: torch.Tensor  # [num_groups, num_seqs, max_blocks] int32
     seq_lens: torch.Tensor  # [num_seqs] int32
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     logits_indices: torch.Tensor  # [num_sampling_rows] long: rows whose hidden state is sampled
@@ -53,7 +55,7 @@ class ModelInputs:
 
     def attention_metadata(self, backend: ModuleType) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping, block_tables=self.block_tables, seq_lens=self.seq_lens,
+            slot_mapping=self.slot_mapping.unbind(), block_tables=self.block_tables.unbind(), seq_lens=self.seq_lens,
             query_start_loc=self.query_start_loc, max_query_len=self.max_query_len,
             max_seq_len=self.max_seq_len, backend=backend,
         )
@@ -239,12 +241,16 @@ class ModelRunner:
         # positions: for each request, start .. start + count - 1, laid out flat.
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start[:-1] - starts, counts)
         block_tables = scheduler_output.block_tables
-        max_blocks = block_tables.shape[1]
+        num_groups, _, max_blocks = block_tables.shape
         token_rows = np.repeat(np.arange(num_seqs), counts)
-        slot_mapping = block_tables[token_rows, positions // self.block_size] * self.block_size + positions % self.block_size
+        # [num_groups, num_tokens]: every group's slots in one gather.
+        size = self.block_size
+        slot_mapping = block_tables[:, token_rows, positions // size] * size + positions % size
+        if num_groups > 1:
+            slot_mapping, block_tables = _aligned_planes(slot_mapping, block_tables)
         logits_indices = query_start[1:][np.asarray(scheduler_output.sampling_rows, dtype=np.int64)] - 1
         # One host->device copy for the whole step (pinned, asynchronous on CUDA).
-        parts = [np.asarray(token_ids, dtype=np.int64), positions, slot_mapping, logits_indices,
+        parts = [np.asarray(token_ids, dtype=np.int64), positions, slot_mapping.ravel(), logits_indices,
                  seq_lens, query_start, block_tables.ravel(), np.asarray(pending_rows + pending_sources, dtype=np.int64)]
         flat = to_device_async(torch.from_numpy(np.concatenate(parts)), self.device)
         input_ids, positions_t, slots_t, logits_t, seq_lens_t, query_start_t, tables_t, pending = flat.split(
@@ -254,8 +260,8 @@ class ModelRunner:
         return ModelInputs(
             input_ids=input_ids,
             positions=positions_t,
-            slot_mapping=slots_t,
-            block_tables=tables_t.view(num_seqs, max_blocks).to(torch.int32),
+            slot_mapping=slots_t.view(slot_mapping.shape)[:, :num_tokens],
+            block_tables=tables_t.view(block_tables.shape).to(torch.int32)[:, :, :max_blocks],
             seq_lens=seq_lens_t.to(torch.int32),
             query_start_loc=query_start_t.to(torch.int32),
             logits_indices=logits_t,
@@ -272,7 +278,7 @@ class ModelRunner:
         graphs = self.cuda_graphs
         if (graphs is not None and inputs.inputs_embeds is None
                 and graphs.can_run(inputs.input_ids.shape[0], len(batch.requests), inputs.max_query_len,
-                                   inputs.block_tables.shape[1])):
+                                   inputs.block_tables.shape[2])):
             hidden_states = graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables,
                                        inputs.seq_lens, inputs.query_start_loc, inputs.max_query_len)
             return hidden_states, inputs
@@ -400,6 +406,20 @@ class ModelRunner:
         chosen = logprobs.gather(1, sampled[:, None])
         ranks = (logprobs > chosen).sum(dim=-1) + 1
         return SampledTokens(sampled, (chosen.squeeze(1), ranks, top_values, top_ids), wanted)
+
+
+def _aligned_planes(slot_mapping: np.ndarray, block_tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The slot mapping padded to an even token count (int64) and the block tables to a multiple
+    of 4 blocks (int32 on the device), so that every group's plane starts 16-byte aligned on the
+    device, as the first always does: Triton compiles a kernel variant per pointer alignment,
+    and one step to the next would otherwise pick new ones."""
+    groups, num_tokens = slot_mapping.shape
+    padded_slots = np.zeros((groups, num_tokens + num_tokens % 2), dtype=slot_mapping.dtype)
+    padded_slots[:, :num_tokens] = slot_mapping
+    num_seqs, max_blocks = block_tables.shape[1:]
+    padded_tables = np.zeros((groups, num_seqs, -(-max_blocks // 4) * 4), dtype=block_tables.dtype)
+    padded_tables[:, :, :max_blocks] = block_tables
+    return padded_slots, padded_tables
 
 
 @torch.inference_mode()  # in the job thread too: inference mode is per thread

@@ -43,7 +43,7 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connec
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
         init_tensor_parallel(rank, size, "nccl" if cuda else "gloo", init_method, device if cuda else None)
         worker = Worker.from_config(replace(config, device=str(device)))
-        conn.send(("ready", (worker.num_kv_blocks, worker.num_host_blocks)))
+        conn.send(("ready", (worker.num_kv_blocks, worker.num_host_blocks, worker.kv_cache_groups)))
         sender = _ResultSender(conn) if rank == 0 else None
         previous = None
         while True:
@@ -145,12 +145,14 @@ class MultiprocWorkers:
             self.processes.append(process)
             self.conns.append(parent)
         try:
-            blocks = [self._receive(rank, "ready", READY_TIMEOUT_S) for rank in range(size)]
+            ready = [self._receive(rank, "ready", READY_TIMEOUT_S) for rank in range(size)]
         except BaseException:
             self.shutdown()
             raise
+        device_blocks, host_blocks, groups = zip(*ready)
         # Every rank holds its shard of each block (device and host): the smallest cache bounds all.
-        self.num_kv_blocks, self.num_host_blocks = (min(counts) for counts in zip(*blocks))
+        self.num_kv_blocks, self.num_host_blocks = min(device_blocks), min(host_blocks)
+        self.kv_cache_groups = groups[0]  # alike on every rank: the same layers, each with its shard of the heads
 
     def execute(self, scheduler_output: SchedulerOutput, previous: Any = None) -> RemoteStepOutput | None:
         """Send the step to every rank. A step that schedules nothing returns None, like a local

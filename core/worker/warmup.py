@@ -144,8 +144,9 @@ def _snapshot(ids: list[str], new: list[NewRequestData], computed: list[int], co
     """A step in which every request samples (its chunk reaches the end of what it has)."""
     block_size, num_blocks = worker.config.block_size, worker.num_kv_blocks
     width = max(-(-(c + n) // block_size) for c, n in zip(computed, counts))
-    # Every row reads and writes the same blocks: their contents never matter, only the shapes.
-    table = np.tile(np.arange(width, dtype=np.int32) % num_blocks, (len(ids), 1))
+    # Every row of every KV cache group reads and writes the same blocks: their contents never
+    # matter, only the shapes.
+    table = np.tile(np.arange(width, dtype=np.int32) % num_blocks, (worker.kv_cache_groups.num_groups, len(ids), 1))
     return SchedulerOutput(new, ids, counts, computed, [[] for _ in ids], list(range(len(ids))), table)
 
 

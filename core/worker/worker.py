@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from hookllm.forward_context import AttentionMetadata, set_forward_context
 from hookllm.kernels import get_attention_backend, resolve_attention_backend
 from hookllm.layers.attention import Attention
 from hookllm.worker import default_hooks
+from hookllm.worker.kv_cache_groups import group_layers
 from hookllm.worker.model_runner import ModelRunner, StepOutput
 from hookllm.plugins.context import EngineContext
 from hookllm.plugins.manager import ActiveHooks, PluginManager
@@ -84,18 +85,18 @@ class Worker:
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         if not self.attention_layers:
             raise ValueError(f"{type(model).__name__} has no hookllm.layers.Attention layer to hold a KV cache")
-        window = model_config.sliding_window
-        windows = {layer.sliding_window for layer in self.attention_layers}
-        if window is not None and windows != {window}:
-            # The scheduler frees each sequence's blocks before this window: a layer reading further
-            # back would read freed blocks.
-            raise ValueError(f"{type(model).__name__}: its config slides every layer over {window} tokens, but its "
-                             f"Attention layers' windows are {sorted(windows, key=str)}; pass sliding_window to each")
+        # The block tables follow the layers' own windows: a group's freed blocks are blocks its layers never read.
+        self.kv_cache_groups = group_layers([layer.sliding_window for layer in self.attention_layers],
+                                            [(layer.num_kv_heads, layer.head_dim) for layer in self.attention_layers],
+                                            model_config.max_model_len)
+        for group, layers in enumerate(self.kv_cache_groups.layers):
+            for index in layers:
+                self.attention_layers[index].kv_cache_group = group
         phase("load_model")
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory()
         self._allocate_kv_cache(self.num_kv_blocks)
         phase("memory_profile_and_kv_cache")
-        # Swap space: the host's K/V cache for swapped-out requests, same layout per layer.
+        # Swap space: the host's K/V cache for swapped-out requests, laid out as the device's.
         self.num_host_blocks = (int(config.swap_space * 2**30) // self.block_bytes
                                 if config.preemption_mode == "swap" else 0)
         self._allocate_host_cache(self.num_host_blocks)
@@ -108,7 +109,7 @@ class Worker:
                 max_blocks_per_seq=-(-model_config.max_model_len // config.block_size),
                 max_model_len=model_config.max_model_len, backend=self.attention_backend,
                 max_mixed_tokens=min(config.max_cuda_graph_tokens, config.max_num_batched_tokens),
-                max_num_seqs=config.max_num_seqs,
+                max_num_seqs=config.max_num_seqs, num_kv_cache_groups=self.kv_cache_groups.num_groups,
             )
             phase("cuda_graphs")
         # Compiling on first use would land in the first requests' latency (hookllm.worker.warmup).
@@ -136,9 +137,14 @@ class Worker:
         return self.startup_seconds.get("warmup")
 
     @property
+    def slot_layers(self) -> list[Attention]:
+        """One layer per cache slot (the first group's), whose shape the slot's tensors take."""
+        return [self.attention_layers[index] for index in self.kv_cache_groups.layers[0]]
+
+    @property
     def block_bytes(self) -> int:
-        """Bytes of one KV block summed over layers (K and V)."""
-        per_token = sum(2 * a.num_kv_heads * a.head_dim for a in self.attention_layers)
+        """Bytes of one KV block summed over the cache slots (K and V): one group's layers."""
+        per_token = sum(2 * a.num_kv_heads * a.head_dim for a in self.slot_layers)
         return per_token * self.config.block_size * torch.empty(0, dtype=self.dtype).element_size()
 
     def _blocks_from_memory(self) -> int:
@@ -170,9 +176,11 @@ class Worker:
         num_blocks = -(-num_tokens // block_size)
         self._allocate_kv_cache(num_blocks)
         # One long sequence covering the batch: the same activation shapes as any mix of that size.
+        # Every group writes and reads the same blocks: only the shapes matter.
+        groups = self.kv_cache_groups.num_groups
         metadata = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=self.device),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
+            slot_mapping=(torch.arange(num_tokens, device=self.device),) * groups,
+            block_tables=(torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],) * groups,
             seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
             query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
             max_query_len=num_tokens, max_seq_len=num_tokens, backend=self.attention_backend,
@@ -190,21 +198,25 @@ class Worker:
         torch.cuda.empty_cache()
         return peak
 
+    def _cache_tensors(self, num_blocks: int, **placement: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One K and one V tensor per cache slot, [num_blocks, block_size, num_kv_heads, head_dim]."""
+        return [tuple(torch.empty((num_blocks, self.config.block_size, layer.num_kv_heads, layer.head_dim),
+                                  dtype=self.dtype, **placement) for _ in range(2))
+                for layer in self.slot_layers]
+
     def _allocate_kv_cache(self, num_blocks: int) -> None:
-        """One K and one V tensor per layer, [num_blocks, block_size, num_kv_heads, head_dim]."""
-        for layer in self.attention_layers:
-            shape = (num_blocks, self.config.block_size, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        """The device cache, K and V per slot; the i-th layer of every group is bound to slot i
+        (one group: a slot per layer), so block b of any group is row b of its layers' tensors."""
+        self.kv_caches = self._cache_tensors(num_blocks, device=self.device)
+        for layers in self.kv_cache_groups.layers:
+            for (k_cache, v_cache), index in zip(self.kv_caches, layers):
+                self.attention_layers[index].k_cache = k_cache
+                self.attention_layers[index].v_cache = v_cache
 
     def _allocate_host_cache(self, num_blocks: int) -> None:
-        """One host K and V tensor per layer, like the device cache; pinned on CUDA, so the
-        copies in and out run at full speed."""
-        pin = self.device.type == "cuda" and num_blocks > 0
-        self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in self.attention_layers:
-            shape = (num_blocks, self.config.block_size, layer.num_kv_heads, layer.head_dim)
-            self.host_caches.append(tuple(torch.empty(shape, dtype=self.dtype, pin_memory=pin) for _ in range(2)))
+        """The host cache's slots, like the device cache; pinned on CUDA, so the copies in and
+        out run at full speed."""
+        self.host_caches = self._cache_tensors(num_blocks, pin_memory=self.device.type == "cuda" and num_blocks > 0)
 
     def execute(self, scheduler_output: SchedulerOutput, previous: StepOutput | None = None) -> StepOutput | None:
         # Swap-out first: the device blocks it frees may be written this step (new tokens, a copy).
@@ -218,32 +230,32 @@ class Worker:
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: each (source, destination) block's K and V, in every layer, one
+        """Copy-on-write: each (source, destination) block's K and V, in every cache slot, one
         batched index copy per tensor (queued on the device before the step that writes them)."""
         pairs = torch.tensor(copies, dtype=torch.long).to(self.device, non_blocking=True)
-        for layer in self.attention_layers:
-            for cache in (layer.k_cache, layer.v_cache):
+        for slot in self.kv_caches:
+            for cache in slot:
                 cache.index_copy_(0, pairs[:, 1], cache.index_select(0, pairs[:, 0]))
 
     @torch.inference_mode()
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Each (device, host) block's K and V, in every layer, to host memory: one batched
+        """Each (device, host) block's K and V, in every cache slot, to host memory: one batched
         index copy per tensor. The device→host copy waits for the device's stream, so it reads
         the blocks after the step still in flight (async scheduling) has written them."""
         device_ids, host_ids = torch.tensor(pairs, dtype=torch.long).T
         device_ids = device_ids.to(self.device)
-        for layer, host in zip(self.attention_layers, self.host_caches):
-            for cache, host_cache in zip((layer.k_cache, layer.v_cache), host):
+        for slot, host in zip(self.kv_caches, self.host_caches):
+            for cache, host_cache in zip(slot, host):
                 host_cache.index_copy_(0, host_ids, cache.index_select(0, device_ids).cpu())
 
     @torch.inference_mode()
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """Each (host, device) block's K and V, in every layer, back to the device: one batched
-        index copy per tensor, queued before the step that reads them."""
+        """Each (host, device) block's K and V, in every cache slot, back to the device: one
+        batched index copy per tensor, queued before the step that reads them."""
         host_ids, device_ids = torch.tensor(pairs, dtype=torch.long).T
         device_ids = device_ids.to(self.device)
-        for layer, host in zip(self.attention_layers, self.host_caches):
-            for cache, host_cache in zip((layer.k_cache, layer.v_cache), host):
+        for slot, host in zip(self.kv_caches, self.host_caches):
+            for cache, host_cache in zip(slot, host):
                 cache.index_copy_(0, device_ids, host_cache.index_select(0, host_ids).to(self.device))
 
     def shutdown(self) -> None:

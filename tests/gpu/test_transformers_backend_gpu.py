@@ -62,9 +62,11 @@ def test_llama_decoder_compiles_whole_on_cuda(tmp_path):
 
 
 def test_sliding_window_and_soft_capping_on_cuda_equal_transformers(gemma2):
-    # Eager attention: transformers' one that computes the soft-cap in every version.
+    """Prompt logits past the window, against transformers' eager attention in fp32 (logits, not
+    greedy tokens: the final soft-cap squeezes a random model's top logits into near-ties)."""
     reference = AutoModelForCausalLM.from_pretrained(str(gemma2), dtype=torch.float32, attn_implementation="eager")
-    prompts = testing.random_prompts(6, VOCAB, min_len=100, max_len=250, seed=22)
-    expected = [testing.reference_greedy(reference, p, 12) for p in prompts]
-    outputs = engine(gemma2).generate([{"prompt_token_ids": p} for p in prompts], testing.greedy(12))
-    assert [o.outputs[0].token_ids for o in outputs] == expected
+    llm = engine(gemma2)
+    for prompt in testing.random_prompts(4, VOCAB, min_len=100, max_len=250, seed=22):
+        with torch.inference_mode():
+            expected = reference(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(testing.prompt_logits(llm, prompt), expected, atol=1e-4, rtol=0)
