@@ -62,11 +62,13 @@ def test_llama_decoder_compiles_whole_on_cuda(tmp_path):
 
 
 def test_sliding_window_and_soft_capping_on_cuda_equal_transformers(gemma2):
-    """Prompt logits past the window, against transformers' eager attention in fp32 (logits, not
-    greedy tokens: the final soft-cap squeezes a random model's top logits into near-ties)."""
+    """Prompt logits past the window, against transformers' eager attention in fp32 on the CPU
+    (logits, not greedy tokens: the final soft-cap squeezes a random model's top logits into
+    near-ties). Triton's fp32 dots run on TF32 tensor cores, hence a relative tolerance."""
     reference = AutoModelForCausalLM.from_pretrained(str(gemma2), dtype=torch.float32, attn_implementation="eager")
     llm = engine(gemma2)
     for prompt in testing.random_prompts(4, VOCAB, min_len=100, max_len=250, seed=22):
         with torch.inference_mode():
             expected = reference(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(testing.prompt_logits(llm, prompt), expected, atol=1e-4, rtol=0)
+        error = ((testing.prompt_logits(llm, prompt) - expected).norm() / expected.norm()).item()
+        assert error < 5e-3, f"relative error {error:.3g}"
