@@ -33,7 +33,6 @@ from torch import nn
 from transformers import AttentionInterface
 
 from hookllm.adapters.transformers.support import Unsupported
-from hookllm.config import layer_sliding_windows
 from hookllm.layers.attention import Attention
 
 IMPLEMENTATION = "hookllm"
@@ -213,11 +212,4 @@ def probe(model: nn.Module, decoder: nn.Module) -> list[LayerSpec]:
     indices = [getattr(module, "layer_idx", None) for module in calls]
     if sorted(i for i in indices if isinstance(i, int)) != list(range(len(calls))):
         raise Unsupported(f"{name}: its attention modules' layer_idx are {indices}, not one per layer from 0")
-    specs = [spec for _, spec in sorted(zip(indices, calls.values()), key=lambda pair: pair[0])]
-    windows = layer_sliding_windows(model.config)
-    for index, spec in enumerate(specs):
-        expected = windows[index] if index < len(windows) else windows[-1]
-        if spec.sliding_window != expected:
-            raise Unsupported(f"{spec.path}: transformers' code slides over {spec.sliding_window} tokens, the config "
-                              f"says {expected}, and the scheduler frees KV blocks by the config")
-    return specs
+    return [spec for _, spec in sorted(zip(indices, calls.values()), key=lambda pair: pair[0])]

@@ -8,7 +8,7 @@ import torch
 def release_gpu_memory():
     """Each test's engines take a share of the GPU; free them before the next test sizes its cache."""
     yield
-    # Compiled code (the transformers backend's decoder) holds its model until dynamo's caches go.
+    # Drop compiled code (the transformers backend's decoder) along with the engines it served.
     torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()
