@@ -1,9 +1,9 @@
 """Pure-torch references for every Triton kernel.
 
 These are the CPU backend of the paged ``Attention`` layer, the model layers and the sampler,
-and the ground truth the Triton kernels in ``hookllm.kernels.triton_attention`` and
-``hookllm.kernels.triton_ops`` are tested against; each function here has the same signature
-as its Triton twin.
+and the ground truth the Triton kernels in ``hookllm.kernels.triton_attention``,
+``hookllm.kernels.triton_ops`` and ``hookllm.kernels.triton_moe`` are tested against; each
+function here has the same signature as its Triton twin.
 
 Cache layout (one tensor per layer and per K/V): ``[num_blocks, block_size, num_kv_heads,
 head_dim]``. Token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at
@@ -250,3 +250,118 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``[rows, 2 * d]`` laid out as (gate, up) -> ``silu(gate) * up``, ``[rows, d]``."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+# Mixture of experts. Expert weights are stacked as transformers stores them for Mixtral and
+# Qwen3-MoE: ``w_gate_up`` ``[experts, 2 * inter, hidden]`` (each expert's gate rows, then its up
+# rows) and ``w_down`` ``[experts, hidden, inter]``, so both are ``nn.Linear`` weights per expert.
+# gpt-oss stores ``[in, out]`` matrices with gate and up columns interleaved: its adapter passes
+# them de-interleaved and transposed (the Triton kernels take transposed views as they are).
+MOE_ACTIVATIONS = ("silu", "swiglu_oai")
+SWIGLU_OAI_ALPHA = 1.702  # gpt-oss's sigmoid sharpness: gate * sigmoid(1.702 * gate)
+
+
+def route(router_logits: torch.Tensor, top_k: int, *, renormalize: bool,
+          softmax_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's ``top_k`` experts from its router logits ``[tokens, experts]``: weights
+    ``[tokens, top_k]`` float32 and expert ids ``[tokens, top_k]`` int32, best first.
+
+    ``softmax_first`` (Mixtral, Qwen3-MoE): softmax over all experts, then the top k
+    probabilities, which ``renormalize`` (``norm_topk_prob``) rescales to sum to 1. Otherwise
+    (gpt-oss): the top k logits, then a softmax over those k, which already sum to 1.
+    Shared by the torch and Triton paths: one top-k launch, nothing for a kernel to fuse."""
+    logits = router_logits.float()
+    if softmax_first:
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    else:
+        top_logits, ids = torch.topk(logits, top_k, dim=-1)
+        weights = torch.softmax(top_logits, dim=-1)
+    return weights, ids.to(torch.int32)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int,
+              block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs of ``topk_ids`` ``[tokens, top_k]`` grouped by expert, each expert's
+    group padded to a multiple of ``block_m``, for a grouped GEMM over blocks of one expert.
+
+    Pair ``p = token * top_k + slot`` (an index into ``topk_ids.flatten()``). Returns
+    ``sorted_token_ids`` (int32): the pairs, expert 0's first, each expert's pairs in order of
+    ``p`` followed by sentinels (``pairs = tokens * top_k``, out of range) up to the next
+    multiple of ``block_m``, and sentinels past the last expert's run; ``expert_of_block`` (int32): block ``b``'s expert (rows
+    ``b * block_m:(b + 1) * block_m``), ``num_experts`` for blocks past the end;
+    ``num_padded`` (int32, one element): how many entries are used. Experts with no pair get no
+    block. Both lists are sized for the worst case (every expert's group one short of a block's
+    multiple), so every shape is known on the host: nothing waits for the device.
+    """
+    flat = topk_ids.flatten().long()
+    pairs = flat.numel()
+    # scatter_add rather than bincount, whose output size (and so a host sync) depends on the ids.
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded_counts = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded_counts, dim=0)
+    padded_starts = padded_ends - padded_counts
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    rank_in_expert = torch.arange(pairs, device=flat.device) - (torch.cumsum(counts, dim=0) - counts)[expert]
+    max_padded = pairs + num_experts * (block_m - 1)
+    sorted_token_ids = torch.full((max_padded,), pairs, dtype=torch.int32, device=flat.device)
+    sorted_token_ids[padded_starts[expert] + rank_in_expert] = order.to(torch.int32)
+    block_starts = torch.arange(0, max_padded, block_m, device=flat.device)
+    expert_of_block = torch.searchsorted(padded_ends, block_starts, right=True).to(torch.int32)
+    return sorted_token_ids, expert_of_block, padded_ends[-1:].to(torch.int32)
+
+
+def moe_activation(gate: torch.Tensor, up: torch.Tensor, activation: str,
+                   swiglu_limit: float | None) -> torch.Tensor:
+    """The gated activation of an expert's gate and up projections.
+
+    ``"silu"`` (Mixtral, Qwen3-MoE): ``silu(gate) * up``. ``"swiglu_oai"`` (gpt-oss): with
+    ``gate`` clamped to at most ``swiglu_limit`` and ``up`` to ``[-limit, limit]`` (no clamp if
+    None), ``gate * sigmoid(1.702 * gate) * (up + 1)``."""
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    if swiglu_limit is not None:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(-swiglu_limit, swiglu_limit)
+    return gate * torch.sigmoid(SWIGLU_OAI_ALPHA * gate) * (up + 1)
+
+
+def check_moe_activation(activation: str, swiglu_limit: float | None) -> None:
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
+    if swiglu_limit is not None and activation != "swiglu_oai":
+        raise ValueError("swiglu_limit applies to activation='swiglu_oai' only")
+
+
+def fused_moe(
+    hidden: torch.Tensor,  # [tokens, hidden]
+    w_gate_up: torch.Tensor,  # [experts, 2 * inter, hidden]: gate rows, then up rows
+    w_down: torch.Tensor,  # [experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [tokens, top_k] float32
+    topk_ids: torch.Tensor,  # [tokens, top_k] int
+    *,
+    activation: str = "silu",
+    gate_up_bias: torch.Tensor | None = None,  # [experts, 2 * inter]
+    down_bias: torch.Tensor | None = None,  # [experts, hidden]
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    """The experts' output ``[tokens, hidden]``: for each token, the sum over its ``top_k``
+    experts ``e`` of ``weight * down_e(act(gate_e(x), up_e(x)))`` (see ``moe_activation``),
+    biases added to each projection's output. Matmuls run in the input dtype, as transformers'
+    expert loop does; the weighted sum is accumulated in the input dtype too."""
+    check_moe_activation(activation, swiglu_limit)
+    inter = w_down.shape[2]
+    out = torch.zeros_like(hidden)
+    for expert in range(w_gate_up.shape[0]):
+        token, slot = torch.where(topk_ids == expert)
+        if token.numel() == 0:
+            continue
+        gate_up = torch.nn.functional.linear(hidden[token], w_gate_up[expert],
+                                             None if gate_up_bias is None else gate_up_bias[expert])
+        act = moe_activation(gate_up[:, :inter], gate_up[:, inter:], activation, swiglu_limit)
+        down = torch.nn.functional.linear(act, w_down[expert], None if down_bias is None else down_bias[expert])
+        out.index_add_(0, token, (down * topk_weights[token, slot, None]).to(hidden.dtype))
+    return out

@@ -1,0 +1,200 @@
+"""Triton kernels of the fused mixture-of-experts layer.
+
+``fused_moe`` has the signature and semantics of its twin in :mod:`hookllm.kernels.reference`;
+``route`` and ``moe_align`` are the reference's own (torch ops, no host sync), re-exported so
+that this module offers the whole MoE path.
+
+The (token, slot) pairs are sorted by expert and each expert's run padded to whole blocks of
+``block_m`` rows (``moe_align``), so that each program of a grouped GEMM multiplies rows of
+one expert by that expert's weight tile, and the whole batch is two launches whatever the
+routing, instead of the reference's two matmuls per expert:
+
+1. gate/up: rows of ``hidden`` (gathered by pair) times the expert's gate and up tiles, the
+   gated activation (biases and gpt-oss's clamp included) applied in registers, written to an
+   intermediate ``[pairs, inter]``;
+2. down: intermediate rows times the expert's down tile, plus bias, times the pair's routing
+   weight, written to ``[pairs, hidden]``; each token's ``top_k`` rows are then summed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from hookllm.kernels.reference import (SWIGLU_OAI_ALPHA, check_moe_activation, moe_align,
+                                       route)
+from hookllm.kernels.triton_attention import _dot_dtype
+
+__all__ = ["MoeConfig", "default_config", "fused_moe", "fused_moe_with", "moe_align", "route"]
+
+_ALPHA = tl.constexpr(SWIGLU_OAI_ALPHA)  # kernels read globals only as constexpr
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Launch parameters of both grouped GEMMs."""
+
+    block_m: int  # pair rows per program (and moe_align's padding unit)
+    block_n: int  # output columns per program
+    block_k: int  # reduction step
+    num_warps: int
+    num_stages: int
+
+
+# (largest token count, config), smallest first; past the last bound the last config applies.
+# Placeholders until tuned on the GPU: small row blocks while most experts get a few rows.
+_CONFIGS_BY_TOKENS = (
+    (32, MoeConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)),
+    (256, MoeConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3)),
+    (4096, MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)),
+)
+
+
+def default_config(num_tokens: int) -> MoeConfig:
+    """The block sizes for a batch of ``num_tokens`` tokens."""
+    for max_tokens, config in _CONFIGS_BY_TOKENS:
+        if num_tokens <= max_tokens:
+            return config
+    return _CONFIGS_BY_TOKENS[-1][1]
+
+
+@triton.jit
+def _block_rows(sorted_ids_ptr, expert_of_block_ptr, top_k, pairs, BLOCK_M: tl.constexpr):
+    """This program's pairs, the tokens they read, which of them are real (not padding), and
+    their expert."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + rows).to(tl.int64)
+    is_pair = pair < pairs
+    expert = tl.load(expert_of_block_ptr + tl.program_id(0)).to(tl.int64)
+    return pair, pair // top_k, is_pair, expert
+
+
+@triton.jit
+def _rows_times_weight(a_ptr, a_rows, is_row, a_stride, w_ptr, w_stride_n, w_stride_k, cols, is_col, K,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``a[a_rows] @ w[cols].T`` over ``K``, fp32 ``[BLOCK_M, BLOCK_N]``; ``w`` is one expert's
+    weight, rows are output columns (``nn.Linear``'s layout)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        in_k = ks < K
+        a = tl.load(a_ptr + a_rows[:, None] * a_stride + ks[None, :], mask=is_row[:, None] & in_k[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[None, :] * w_stride_n + ks[:, None] * w_stride_k,
+                    mask=is_col[None, :] & in_k[:, None], other=0.0)
+        acc += tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _gate_up_kernel(hidden_ptr, w_ptr, bias_ptr, out_ptr, sorted_ids_ptr, expert_of_block_ptr, num_padded_ptr,
+                    top_k, pairs, hidden_size, inter, hidden_stride, w_stride_e, w_stride_n, w_stride_k,
+                    bias_stride_e, swiglu_limit, SWIGLU_OAI: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    if tl.program_id(0) * BLOCK_M >= tl.load(num_padded_ptr):
+        return  # the grid is sized for the worst-case padding; this block holds none
+    pair, token, is_pair, expert = _block_rows(sorted_ids_ptr, expert_of_block_ptr, top_k, pairs, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    is_col = cols < inter
+    w = w_ptr + expert * w_stride_e
+    gate = _rows_times_weight(hidden_ptr, token, is_pair, hidden_stride, w, w_stride_n, w_stride_k, cols, is_col,
+                              hidden_size, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
+    up = _rows_times_weight(hidden_ptr, token, is_pair, hidden_stride, w, w_stride_n, w_stride_k, inter + cols,
+                            is_col, hidden_size, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
+    if HAS_BIAS:
+        bias = bias_ptr + expert * bias_stride_e
+        gate += tl.load(bias + cols, mask=is_col, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(bias + inter + cols, mask=is_col, other=0.0).to(tl.float32)[None, :]
+    if SWIGLU_OAI:
+        if HAS_LIMIT:
+            gate = tl.minimum(gate, swiglu_limit)
+            up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+        act = gate * tl.sigmoid(gate * _ALPHA) * (up + 1.0)
+    else:
+        act = gate * tl.sigmoid(gate) * up
+    tl.store(out_ptr + pair[:, None] * inter + cols[None, :], act.to(out_ptr.dtype.element_ty),
+             mask=is_pair[:, None] & is_col[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, bias_ptr, weights_ptr, out_ptr, sorted_ids_ptr, expert_of_block_ptr, num_padded_ptr,
+                 top_k, pairs, hidden_size, inter, w_stride_e, w_stride_n, w_stride_k, bias_stride_e,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    if tl.program_id(0) * BLOCK_M >= tl.load(num_padded_ptr):
+        return  # the grid is sized for the worst-case padding; this block holds none
+    pair, _, is_pair, expert = _block_rows(sorted_ids_ptr, expert_of_block_ptr, top_k, pairs, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    is_col = cols < hidden_size
+    out = _rows_times_weight(act_ptr, pair, is_pair, inter, w_ptr + expert * w_stride_e, w_stride_n, w_stride_k,
+                             cols, is_col, inter, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + expert * bias_stride_e + cols, mask=is_col, other=0.0).to(tl.float32)[None, :]
+    out *= tl.load(weights_ptr + pair, mask=is_pair, other=0.0)[:, None]
+    tl.store(out_ptr + pair[:, None] * hidden_size + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=is_pair[:, None] & is_col[None, :])
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    """The reference's ``fused_moe`` with the block sizes of ``default_config``."""
+    return fused_moe_with(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation=activation,
+                          gate_up_bias=gate_up_bias, down_bias=down_bias, swiglu_limit=swiglu_limit,
+                          config=default_config(hidden.shape[0]))
+
+
+def fused_moe_with(
+    hidden: torch.Tensor,  # [tokens, hidden]
+    w_gate_up: torch.Tensor,  # [experts, 2 * inter, hidden], any strides
+    w_down: torch.Tensor,  # [experts, hidden, inter], any strides
+    topk_weights: torch.Tensor,  # [tokens, top_k] float32
+    topk_ids: torch.Tensor,  # [tokens, top_k] int
+    *,
+    activation: str,
+    gate_up_bias: torch.Tensor | None,  # [experts, 2 * inter], rows contiguous
+    down_bias: torch.Tensor | None,  # [experts, hidden], rows contiguous
+    swiglu_limit: float | None,
+    config: MoeConfig,
+) -> torch.Tensor:
+    """``fused_moe`` with explicit block sizes."""
+    check_moe_activation(activation, swiglu_limit)
+    num_tokens, hidden_size = hidden.shape
+    num_experts, inter = w_down.shape[0], w_down.shape[2]
+    top_k = topk_ids.shape[1]
+    pairs = num_tokens * top_k
+    if pairs == 0:
+        return torch.zeros_like(hidden)
+    hidden = hidden.contiguous()  # the kernel reads rows of contiguous columns
+    sorted_ids, expert_of_block, num_padded = moe_align(topk_ids, num_experts, config.block_m)
+    blocks = expert_of_block.numel()
+    dots = dict(DOT_DTYPE=_dot_dtype(hidden.dtype),
+                DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
+                num_warps=config.num_warps, num_stages=config.num_stages)
+    blocks_mnk = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k)
+    act = torch.empty((pairs, inter), dtype=hidden.dtype, device=hidden.device)
+    _gate_up_kernel[(blocks, triton.cdiv(inter, config.block_n))](
+        hidden, w_gate_up, hidden if gate_up_bias is None else gate_up_bias, act, sorted_ids, expert_of_block,
+        num_padded, top_k, pairs, hidden_size, inter, hidden.stride(0), *w_gate_up.stride(),
+        0 if gate_up_bias is None else gate_up_bias.stride(0), 0.0 if swiglu_limit is None else swiglu_limit,
+        SWIGLU_OAI=activation == "swiglu_oai", HAS_LIMIT=swiglu_limit is not None,
+        HAS_BIAS=gate_up_bias is not None, **blocks_mnk, **dots)
+    down = torch.empty((pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    _down_kernel[(blocks, triton.cdiv(hidden_size, config.block_n))](
+        act, w_down, hidden if down_bias is None else down_bias, topk_weights.float().contiguous(), down,
+        sorted_ids, expert_of_block, num_padded, top_k, pairs, hidden_size, inter, *w_down.stride(),
+        0 if down_bias is None else down_bias.stride(0), HAS_BIAS=down_bias is not None, **blocks_mnk, **dots)
+    return down.view(num_tokens, top_k, hidden_size).sum(dim=1)

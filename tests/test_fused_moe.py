@@ -1,0 +1,159 @@
+"""The mixture-of-experts kernels: routing, the expert-sorted padding of (token, slot) pairs,
+the torch reference of the fused MoE against transformers' own MoE blocks, and the Triton
+grouped GEMMs (run by the Triton interpreter, which tests/conftest.py selects on machines
+without CUDA) against the reference. Shapes are tiny: the interpreter runs each program in numpy."""
+
+import math
+
+import pytest
+import torch
+from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+from hookllm.kernels import reference
+
+TOKENS, EXPERTS, HIDDEN, INTER, TOP_K = 12, 4, 32, 16, 2
+
+# Row 0's probabilities are (1, 2, 4, 1) / 8, row 1's (5, 1, 3, 1) / 10.
+LOGITS = torch.tensor([[0.0, math.log(2), math.log(4), 0.0], [math.log(5), 0.0, math.log(3), 0.0]])
+
+
+@pytest.mark.parametrize("renormalize, expected", [
+    (False, [[4 / 8, 2 / 8], [5 / 10, 3 / 10]]),
+    (True, [[2 / 3, 1 / 3], [5 / 8, 3 / 8]]),
+])
+def test_route_softmax_then_top_k(renormalize, expected):
+    weights, ids = reference.route(LOGITS, 2, renormalize=renormalize, softmax_first=True)
+    assert ids.dtype == torch.int32 and ids.tolist() == [[2, 1], [0, 2]]
+    torch.testing.assert_close(weights, torch.tensor(expected))
+
+
+def test_route_top_k_then_softmax_weights_sum_to_one():
+    weights, ids = reference.route(LOGITS, 2, renormalize=False, softmax_first=False)
+    assert ids.tolist() == [[2, 1], [0, 2]]
+    torch.testing.assert_close(weights, torch.tensor([[4 / 6, 2 / 6], [5 / 8, 3 / 8]]))
+
+
+def check_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+    """Every pair once, in its expert's run; runs padded with the sentinel to whole blocks."""
+    sorted_ids, expert_of_block, num_padded = reference.moe_align(topk_ids, num_experts, block_m)
+    pairs = topk_ids.numel()
+    flat = topk_ids.flatten()
+    used = int(num_padded)
+    assert used % block_m == 0
+    assert len(expert_of_block) * block_m >= len(sorted_ids) >= used
+    assert (sorted_ids[used:] == pairs).all()
+    real = sorted_ids[:used][sorted_ids[:used] < pairs]
+    assert sorted(real.tolist()) == list(range(pairs))
+    counts = torch.bincount(flat.long(), minlength=num_experts)
+    expected_blocks = [e for e in range(num_experts) for _ in range(-(-int(counts[e]) // block_m))]
+    assert expert_of_block[: used // block_m].tolist() == expected_blocks
+    assert (expert_of_block[used // block_m:] == num_experts).all()
+    for block, expert in enumerate(expected_blocks):
+        rows = sorted_ids[block * block_m:(block + 1) * block_m]
+        assert (flat[rows[rows < pairs].long()] == expert).all()
+
+
+def test_moe_align_pads_each_expert_and_skips_empty_ones():
+    # Expert 1 gets nothing; experts 0 and 2 get four pairs from four tokens each; expert 3 two.
+    topk_ids = torch.tensor([[0, 2], [2, 0], [3, 0], [0, 2], [2, 3]], dtype=torch.int32)
+    sorted_ids, expert_of_block, num_padded = reference.moe_align(topk_ids, 4, block_m=4)
+    assert num_padded.tolist() == [12]
+    assert sorted_ids[:12].tolist() == [0, 3, 5, 6, 1, 2, 7, 8, 4, 9, 10, 10]
+    assert expert_of_block.tolist() == [0, 2, 3, 4, 4, 4]
+    check_alignment(topk_ids, 4, block_m=4)
+
+
+@pytest.mark.parametrize("block_m", [1, 3, 16])
+def test_moe_align_random_routing(block_m):
+    topk_ids = torch.stack([torch.randperm(6)[:3] for _ in range(7)]).int()
+    check_alignment(topk_ids, 6, block_m)
+
+
+def random_moe_block(norm_topk_prob: bool) -> Qwen3MoeSparseMoeBlock:
+    config = Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS,
+                            num_experts_per_tok=TOP_K, norm_topk_prob=norm_topk_prob)
+    block = Qwen3MoeSparseMoeBlock(config)
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    return block
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+@torch.no_grad()
+def test_reference_matches_transformers_qwen3_moe_block(norm_topk_prob):
+    block = random_moe_block(norm_topk_prob)
+    hidden = torch.randn(TOKENS, HIDDEN)
+    weights, ids = reference.route(block.gate(hidden)[0], TOP_K, renormalize=norm_topk_prob, softmax_first=True)
+    out = reference.fused_moe(hidden, block.experts.gate_up_proj, block.experts.down_proj, weights, ids)
+    torch.testing.assert_close(out, block(hidden[None])[0], atol=1e-5, rtol=1e-5)
+
+
+def random_gpt_oss_experts() -> GptOssExperts:
+    config = GptOssConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=EXPERTS,
+                          num_experts_per_tok=TOP_K, swiglu_limit=1.0)
+    experts = GptOssExperts(config)
+    for param in experts.parameters():
+        torch.nn.init.normal_(param, std=0.5)
+    return experts
+
+
+def oss_weights(experts: GptOssExperts) -> dict:
+    """gpt-oss's experts in fused_moe's layout: its gate/up columns interleave, its matrices are
+    [in, out]."""
+    gate_up, bias = experts.gate_up_proj, experts.gate_up_proj_bias
+    return dict(w_gate_up=torch.cat([gate_up[..., ::2], gate_up[..., 1::2]], dim=-1).transpose(1, 2),
+                w_down=experts.down_proj.transpose(1, 2),
+                gate_up_bias=torch.cat([bias[..., ::2], bias[..., 1::2]], dim=-1),
+                down_bias=experts.down_proj_bias, activation="swiglu_oai", swiglu_limit=experts.limit)
+
+
+@torch.no_grad()
+def test_reference_matches_transformers_gpt_oss_experts():
+    experts = random_gpt_oss_experts()
+    hidden = torch.randn(TOKENS, HIDDEN)
+    weights, ids = reference.route(torch.randn(TOKENS, EXPERTS), TOP_K, renormalize=False, softmax_first=False)
+    out = reference.fused_moe(hidden, topk_weights=weights, topk_ids=ids, **oss_weights(experts))
+    torch.testing.assert_close(out, experts(hidden, ids.long(), weights), atol=1e-5, rtol=1e-5)
+
+
+def routing_without_expert(missing: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random top-k routing of TOKENS tokens that never picks expert ``missing``."""
+    logits = torch.randn(TOKENS, EXPERTS)
+    logits[:, missing] = float("-inf")
+    return reference.route(logits, TOP_K, renormalize=True, softmax_first=True)
+
+
+@pytest.fixture
+def triton_moe(poisoned_empty):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA machine: the interpreter is for CPU-only machines")
+    from hookllm.kernels import triton_moe
+
+    return triton_moe
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+@torch.no_grad()
+def test_triton_fused_moe_matches_reference(triton_moe, block_m):
+    block = random_moe_block(norm_topk_prob=True)
+    hidden = torch.randn(TOKENS, HIDDEN)
+    weights, ids = routing_without_expert(missing=1)
+    args = (hidden, block.experts.gate_up_proj, block.experts.down_proj, weights, ids)
+    config = triton_moe.MoeConfig(block_m=block_m, block_n=16, block_k=16, num_warps=4, num_stages=1)
+    out = triton_moe.fused_moe_with(*args, activation="silu", gate_up_bias=None, down_bias=None,
+                                    swiglu_limit=None, config=config)
+    torch.testing.assert_close(out, reference.fused_moe(*args), atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_triton_fused_moe_default_config_and_gpt_oss_activation(triton_moe):
+    experts = random_gpt_oss_experts()
+    hidden = torch.randn(TOKENS, HIDDEN)
+    weights, ids = routing_without_expert(missing=3)
+    weights_and_layout = oss_weights(experts)  # strided views, as an adapter may pass them
+    out = triton_moe.fused_moe(hidden, topk_weights=weights, topk_ids=ids, **weights_and_layout)
+    expected = reference.fused_moe(hidden, topk_weights=weights, topk_ids=ids, **weights_and_layout)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
