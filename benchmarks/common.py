@@ -34,18 +34,63 @@ SHAPES = {
                        num_key_value_heads=1, head_dim=256, intermediate_size=6912, vocab_size=262144,
                        sliding_window=512, query_pre_attn_scalar=256, tie_word_embeddings=True,
                        max_position_embeddings=32768),
+    # Mixtures of experts (native adapters). Their bf16 weights (41-93 GB) are never written to
+    # disk: the folder holds config.json only, hookllm loads random weights (load_format "dummy")
+    # and the transformers peers build the model from its config on the GPU.
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936,
+                          tie_word_embeddings=False, max_position_embeddings=4096, rope_theta=1000000.0),
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=32,
+                        num_experts_per_tok=4, vocab_size=201088, sliding_window=128,
+                        layer_types=["sliding_attention", "full_attention"] * 12, tie_word_embeddings=False),
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                         vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=4096,
+                         rope_theta=1000000.0),
 }
+# Shapes whose checkpoint folder holds config.json only (see above).
+CONFIG_ONLY_SHAPES = ("qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b")
 
 
 def head_dim(config: dict) -> int:
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
+def moe_experts(config: dict) -> tuple[int, int, int] | None:
+    """(experts, experts per token, expert intermediate size) of an MoE config, None for a dense one."""
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if not experts:
+        return None
+    return experts, config["num_experts_per_tok"], config.get("moe_intermediate_size") or config["intermediate_size"]
+
+
+def expert_params(config: dict) -> int:
+    """Weights of one expert (gate, up and down projections)."""
+    _, _, inter = moe_experts(config)
+    return 3 * config["hidden_size"] * inter
+
+
 def linear_params_per_layer(config: dict) -> int:
-    """Weights of one decoder layer's matmuls: the q, k, v and o projections and the gated MLP."""
+    """Weights of one decoder layer's matmuls that one token multiplies: the q, k, v and o
+    projections and the gated MLP, or for an MoE layer the router and its ``top_k`` experts."""
     h = config["hidden_size"]
     q, kv = config["num_attention_heads"] * head_dim(config), config["num_key_value_heads"] * head_dim(config)
-    return h * (q + 2 * kv) + q * h + 3 * h * config["intermediate_size"]
+    moe = moe_experts(config)
+    mlp = 3 * h * config["intermediate_size"] if moe is None else moe[1] * expert_params(config) + h * moe[0]
+    return h * (q + 2 * kv) + q * h + mlp
+
+
+def config_weight_bytes(config: dict) -> int:
+    """bf16 bytes of every parameter of ``config``'s model (built on the meta device: nothing allocated)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(config)
+    hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return 2 * sum(p.numel() for p in model.parameters())
 
 
 def synchronize() -> None:
@@ -71,7 +116,8 @@ def device_name() -> str:
 
 
 def random_checkpoint(shape: str, root: Path) -> Path:
-    """Save a random-weight bf16 checkpoint of ``shape`` once; every engine loads this folder."""
+    """Save a random-weight bf16 checkpoint of ``shape`` once; every engine loads this folder
+    (of a ``CONFIG_ONLY_SHAPES`` shape, only its config.json)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = root / shape
@@ -79,6 +125,11 @@ def random_checkpoint(shape: str, root: Path) -> Path:
         return path
     fields = dict(SHAPES[shape])
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if shape in CONFIG_ONLY_SHAPES:
+        config.architectures = [config.architectures[0] if config.architectures else
+                                AutoModelForCausalLM._model_mapping[type(config)].__name__]
+        config.save_pretrained(path)
+        return path
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -86,6 +137,11 @@ def random_checkpoint(shape: str, root: Path) -> Path:
     del model
     torch.cuda.empty_cache()
     return path
+
+
+def has_weights(path: Path) -> bool:
+    """Whether a checkpoint folder holds weights (else: a config-only shape, random weights)."""
+    return any(path.glob("*.safetensors"))
 
 
 def add_out_argument(parser) -> None:

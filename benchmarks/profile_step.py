@@ -19,7 +19,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, commit, device_name, now, random_checkpoint, add_out_argument, write_result  # noqa: E402
+from common import (SHAPES, add_out_argument, commit, device_name, has_weights, now, random_checkpoint,  # noqa: E402
+                    write_result)
 from throughput import workload_a  # noqa: E402
 
 from hookllm.worker.model_runner import StepOutput  # noqa: E402
@@ -56,6 +57,17 @@ def instrument(engine, totals) -> None:
         setattr(target, method, timed)
 
 
+# GPU time by part of the model, from kernel names: paged attention and its K/V writes; the MoE
+# layer (router top-k, the expert alignment's sort and scans, the two grouped GEMMs); the rest.
+PART_OF_KERNEL = (("attention", ("attention", "store_kv", "_paged")),
+                  ("moe", ("_gate_up_kernel", "_down_kernel", "topk", "sort", "scan", "scatter", "searchsorted")))
+
+
+def kernel_part(name: str) -> str:
+    lowered = name.lower()
+    return next((part for part, keys in PART_OF_KERNEL if any(k.lower() in lowered for k in keys)), "rest")
+
+
 def timed_steps(engine, steps: int) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -78,8 +90,9 @@ def main() -> None:
     from hookllm import LLM, SamplingParams
 
     path = random_checkpoint(args.shape, Path(args.root))
+    dummy = {} if has_weights(path) else dict(load_format="dummy")  # a config-only (MoE) shape
     llm = LLM(str(path), max_model_len=2048 + 64, max_num_seqs=256, max_num_batched_tokens=8192,
-              async_scheduling=not args.sync)
+              async_scheduling=not args.sync, **dummy)
     engine = llm.engine
     prompts, _ = workload_a(args.num_requests)
     for i, prompt in enumerate(prompts):
@@ -104,6 +117,10 @@ def main() -> None:
             "gpu_busy_ms_per_step": 1e3 * gpu_total / args.steps, "batch": batch,
             **host_ms}
     top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    split: dict[str, float] = defaultdict(float)
+    for e in kernels:
+        split[kernel_part(e.key)] += e.self_device_time_total / args.steps / 1e3
+    rows.update({f"gpu_ms_per_step_{part}": ms for part, ms in sorted(split.items())})
     payload = {"device": device_name(), "date": now(), "commit": commit(), "model": args.shape, "per_step": rows,
                "top_kernels_us_per_step": {e.key[:80]: e.self_device_time_total / args.steps for e in top}}
     mode = "sync" if args.sync else "async"

@@ -34,8 +34,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, add_out_argument, commit, device_name,  # noqa: E402
-                    head_dim, linear_params_per_layer, now, print_engine_table, random_checkpoint, synchronize,
+from common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, add_out_argument, commit,  # noqa: E402
+                    config_weight_bytes, device_name, expert_params, has_weights, head_dim,
+                    linear_params_per_layer, moe_experts, now, print_engine_table, random_checkpoint, synchronize,
                     write_result)
 
 # Throughput workloads: name -> (label, lowest length, highest length, requests); prompts and
@@ -75,13 +76,59 @@ def kv_bytes_per_token(config: dict) -> int:
     return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim(config) * 2
 
 
-def decode_steps(max_tokens: list[int], max_batch: int) -> int:
-    """Decode steps until every request is done, one token per running request per step, at most
-    ``max_batch`` running at once: each waiting request takes the first place that frees up."""
+def sliding_layers(config: dict) -> int:
+    """How many layers attend to a sliding window of ``config["sliding_window"]`` tokens only."""
+    if not config.get("sliding_window"):
+        return 0
+    return sum(kind == "sliding_attention" for kind in config.get("layer_types") or
+               ["sliding_attention"] * config["num_hidden_layers"])
+
+
+def kv_bytes_read(config: dict, prompts: list[list[int]], max_tokens: list[int]) -> float:
+    """K/V bytes the decode steps read: a request reads its context at lengths len(p) .. len(p) + n - 1,
+    a sliding layer at most its window of it."""
+    per_layer_token = 2 * config["num_key_value_heads"] * head_dim(config) * 2
+    windowed, window = sliding_layers(config), config.get("sliding_window") or 0
+    total = 0.0
+    for p, n in zip(prompts, max_tokens):
+        full = n * len(p) + n * (n - 1) // 2
+        capped = sum(min(len(p) + j, window) for j in range(n)) if windowed else 0
+        total += per_layer_token * ((config["num_hidden_layers"] - windowed) * full + windowed * capped)
+    return total
+
+
+def decode_batches(max_tokens: list[int], max_batch: int) -> list[int]:
+    """The running batch of each decode step until every request is done, one token per running
+    request per step, at most ``max_batch`` running at once: each waiting request takes the first
+    place that frees up."""
     free_at = [0] * min(max_batch, len(max_tokens))  # a heap: the step each place frees up
+    spans = []
     for n in max_tokens:
-        heapq.heappush(free_at, heapq.heappop(free_at) + n)
-    return max(free_at)
+        start = heapq.heappop(free_at)
+        spans.append((start, start + n))
+        heapq.heappush(free_at, start + n)
+    running = np.zeros(max(free_at) + 1, dtype=np.int64)
+    for start, end in spans:
+        running[start] += 1
+        running[end] -= 1
+    return np.cumsum(running)[:-1].tolist()
+
+
+def decode_steps(max_tokens: list[int], max_batch: int) -> int:
+    return len(decode_batches(max_tokens, max_batch))
+
+
+def step_weight_bytes(config: dict, weight_bytes: int, batch: int) -> float:
+    """Weight bytes a decode step of ``batch`` requests reads: all of a dense model's; of an MoE
+    model's experts, only those the batch's tokens are routed to, which under uniform routing
+    is ``E * (1 - (1 - k/E)^batch)`` of each layer's ``E`` (random weights route about uniformly)."""
+    moe = moe_experts(config)
+    if moe is None:
+        return float(weight_bytes)
+    experts, top_k, _ = moe
+    all_experts = 2 * config["num_hidden_layers"] * experts * expert_params(config)
+    touched = experts * (1.0 - (1.0 - top_k / experts) ** batch)
+    return weight_bytes - all_experts + all_experts * touched / experts
 
 
 def prefill_flops(config: dict, prompts: list[list[int]]) -> float:
@@ -99,21 +146,24 @@ def physical_limit(config: dict, prompts: list[list[int]], max_tokens: list[int]
                    max_batch: int | None = None) -> dict:
     """Output tok/s the GPU allows: decode only, and with the prompts' prefill added.
 
-    Decode only: every decode step reads the weights once plus the K/V of every running request
-    at its current length, at HBM speed; at most ``max_batch`` requests run at once (default: all),
+    Decode only: every decode step reads the weights once (of an MoE model, the experts its
+    batch touches: ``step_weight_bytes``) plus the K/V of every running request at its current
+    length (``kv_bytes_read``), at HBM speed; at most ``max_batch`` requests run at once (default: all),
     and prefill is free. With prefill: the prompts' FLOPs (``prefill_flops``) at the dense bf16
     rate are added, not overlapped with decoding.
     """
     kv_per_token = kv_bytes_per_token(config)
-    steps = decode_steps(max_tokens, max_batch or len(max_tokens))
-    # A request reads its K/V at lengths len(p), ..., len(p) + n - 1, whichever steps it runs in.
-    kv_tokens_read = sum(n * len(p) + n * (n - 1) // 2 for p, n in zip(prompts, max_tokens))
-    total = float(steps * weight_bytes + kv_tokens_read * kv_per_token)
+    batches = decode_batches(max_tokens, max_batch or len(max_tokens))
+    steps = len(batches)
+    step_bytes = {b: step_weight_bytes(config, weight_bytes, b) for b in set(batches)}
+    weights_read = sum(step_bytes[b] for b in batches)
+    total = weights_read + kv_bytes_read(config, prompts, max_tokens)
     flops = prefill_flops(config, prompts)
     decode_s, prefill_s = total / HBM_BYTES_PER_S, flops / BF16_FLOP_PER_S
     return {"output_tok_s": sum(max_tokens) / decode_s,
             "output_tok_s_with_prefill": sum(max_tokens) / (decode_s + prefill_s),
-            "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token, "decode_steps": steps,
+            "weight_bytes": weight_bytes, "weight_bytes_read": weights_read, "kv_bytes_per_token": kv_per_token,
+            "decode_steps": steps,
             "max_batch": max_batch, "hbm_bytes_per_s": HBM_BYTES_PER_S, "bytes_read": total,
             "prefill_flops": flops, "bf16_flop_per_s": BF16_FLOP_PER_S}
 
@@ -130,7 +180,8 @@ def engine_kwargs(args) -> dict:
     impl = {} if args.model_impl is None else dict(model_impl=args.model_impl)
     if args.tiny:
         return dict(device="cpu", dtype="float32", **impl)
-    return dict(max_cuda_graph_tokens=args.max_cuda_graph_tokens, **impl)
+    dummy = {} if has_weights(checkpoint(args)) else dict(load_format="dummy")  # a config-only shape
+    return dict(max_cuda_graph_tokens=args.max_cuda_graph_tokens, **impl, **dummy)
 
 
 def start_llm(path: Path, args, max_model_len: int, enforce_eager: bool = False) -> tuple[object, dict]:
@@ -242,8 +293,14 @@ def run_latency(llm, prompts, max_tokens, rate: float, num_requests: int) -> dic
 
 
 def load_transformers(path: Path):
-    from transformers import AutoModelForCausalLM
+    """The transformers model of the checkpoint; of a config-only shape, random weights built on the GPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    if not has_weights(path):
+        torch.manual_seed(0)
+        config = AutoConfig.from_pretrained(str(path), attn_implementation="sdpa")
+        with torch.device("cuda"):
+            return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, device_map="cuda",
                                                 attn_implementation="sdpa").eval()
 
@@ -433,7 +490,8 @@ def main() -> None:
 
     path = checkpoint(args)
     config = json.loads((path / "config.json").read_text())
-    weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    weight_bytes = (sum(f.stat().st_size for f in path.glob("*.safetensors")) if has_weights(path)
+                    else config_weight_bytes(config))
     payload = {"device": device_name(), "date": now(), "commit": commit(), "workload_name": args.workload,
                "model": "tiny" if args.tiny else args.shape, "max_cuda_graph_tokens": args.max_cuda_graph_tokens}
     run = run_latency_workload if args.workload == "latency" else run_throughput

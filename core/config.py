@@ -148,6 +148,8 @@ class EngineConfig:
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of prompt prefixes already computed (automatic prefix caching)")
     tokenizer: str | None = _option(None, "tokenizer folder (default: the model's)")
     tensor_parallel_size: int = _option(1, "GPUs (one worker process each) the model's layers are split across")
+    enable_expert_parallel: bool = _option(False, "MoE models: each of the tensor_parallel_size ranks holds whole "
+                                           "experts (a share of them) instead of a slice of every expert")
     load_format: str = _option("auto", "auto or safetensors: read the checkpoint; dummy: random weights (benchmarks)",
                                choices=list(LOAD_FORMATS))
     preemption_mode: str = _option("recompute", "a preempted request is recomputed, or swapped: its KV blocks "

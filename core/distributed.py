@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 _tp_rank = 0
 _tp_size = 1
+_expert_parallel = False
 
 
 def init_tensor_parallel(
@@ -72,6 +73,18 @@ def get_tp_size() -> int:
     return _tp_size
 
 
+def set_expert_parallel(enabled: bool) -> None:
+    """Whether MoE layers built from now on place whole experts on ranks (``--enable-expert-parallel``)
+    rather than splitting every expert's intermediate dimension; set by the worker before it
+    builds the model."""
+    global _expert_parallel
+    _expert_parallel = bool(enabled)
+
+
+def expert_parallel_enabled() -> bool:
+    return _expert_parallel
+
+
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the ranks, in place; returns ``x`` (untouched with one rank)."""
     if _tp_size > 1:
@@ -97,10 +110,10 @@ def tensor_model_parallel_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor
 
 def destroy_tensor_parallel() -> None:
     """Leave the process group (if any) and go back to rank 0 of 1."""
-    global _tp_rank, _tp_size
+    global _tp_rank, _tp_size, _expert_parallel
     if dist.is_initialized():
         dist.destroy_process_group()
-    _tp_rank, _tp_size = 0, 1
+    _tp_rank, _tp_size, _expert_parallel = 0, 1, False
 
 
 def cleanup_dist_env_and_memory() -> None:

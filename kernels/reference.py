@@ -294,21 +294,30 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
     ``num_padded`` (int32, one element): how many entries are used. Experts with no pair get no
     block. Both lists are sized for the worst case (every expert's group one short of a block's
     multiple), so every shape is known on the host: nothing waits for the device.
+
+    An id equal to ``num_experts`` marks a pair whose expert is absent (held by another
+    expert-parallel rank): it gets no row, and its output row is never written.
     """
     flat = topk_ids.flatten().long()
     pairs = flat.numel()
     # scatter_add rather than bincount, whose output size (and so a host sync) depends on the ids.
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    # One extra bin counts the absent pairs, which sort last and are dropped.
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded_counts = (counts + block_m - 1) // block_m * block_m
+    padded_counts[num_experts] = 0
     padded_ends = torch.cumsum(padded_counts, dim=0)
     padded_starts = padded_ends - padded_counts
     order = torch.argsort(flat, stable=True)
     expert = flat[order]
     rank_in_expert = torch.arange(pairs, device=flat.device) - (torch.cumsum(counts, dim=0) - counts)[expert]
     max_padded = pairs + num_experts * (block_m - 1)
-    sorted_token_ids = torch.full((max_padded,), pairs, dtype=torch.int32, device=flat.device)
-    sorted_token_ids[padded_starts[expert] + rank_in_expert] = order.to(torch.int32)
+    # Absent pairs write one slot past the end, cut off below.
+    sorted_token_ids = torch.full((max_padded + 1,), pairs, dtype=torch.int32, device=flat.device)
+    destination = torch.where(expert < num_experts, padded_starts[expert] + rank_in_expert, max_padded)
+    sorted_token_ids[destination] = order.to(torch.int32)
+    sorted_token_ids = sorted_token_ids[:max_padded]
+    padded_ends = padded_ends[:num_experts]
     block_starts = torch.arange(0, max_padded, block_m, device=flat.device)
     expert_of_block = torch.searchsorted(padded_ends, block_starts, right=True).to(torch.int32)
     return sorted_token_ids, expert_of_block, padded_ends[-1:].to(torch.int32)
@@ -347,11 +356,13 @@ def fused_moe(
     gate_up_bias: torch.Tensor | None = None,  # [experts, 2 * inter]
     down_bias: torch.Tensor | None = None,  # [experts, hidden]
     swiglu_limit: float | None = None,
+    experts_elsewhere: bool = False,  # ids may be ``experts`` (absent); the Triton twin then zeroes first
 ) -> torch.Tensor:
     """The experts' output ``[tokens, hidden]``: for each token, the sum over its ``top_k``
     experts ``e`` of ``weight * down_e(act(gate_e(x), up_e(x)))`` (see ``moe_activation``),
     biases added to each projection's output. Matmuls run in the input dtype, as transformers'
-    expert loop does; the weighted sum is accumulated in the input dtype too."""
+    expert loop does; the weighted sum is accumulated in the input dtype too. A pair whose id is
+    ``experts`` (absent: see ``moe_align``) adds nothing."""
     check_moe_activation(activation, swiglu_limit)
     inter = w_down.shape[2]
     out = torch.zeros_like(hidden)

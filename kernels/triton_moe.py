@@ -150,11 +150,12 @@ def fused_moe(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
+    experts_elsewhere: bool = False,
 ) -> torch.Tensor:
     """The reference's ``fused_moe`` with the block sizes of ``default_config``."""
     return fused_moe_with(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation=activation,
                           gate_up_bias=gate_up_bias, down_bias=down_bias, swiglu_limit=swiglu_limit,
-                          config=default_config(hidden.shape[0]))
+                          experts_elsewhere=experts_elsewhere, config=default_config(hidden.shape[0]))
 
 
 def fused_moe_with(
@@ -168,6 +169,7 @@ def fused_moe_with(
     gate_up_bias: torch.Tensor | None,  # [experts, 2 * inter], rows contiguous
     down_bias: torch.Tensor | None,  # [experts, hidden], rows contiguous
     swiglu_limit: float | None,
+    experts_elsewhere: bool = False,
     config: MoeConfig,
 ) -> torch.Tensor:
     """``fused_moe`` with explicit block sizes."""
@@ -192,7 +194,9 @@ def fused_moe_with(
         0 if gate_up_bias is None else gate_up_bias.stride(0), 0.0 if swiglu_limit is None else swiglu_limit,
         SWIGLU_OAI=activation == "swiglu_oai", HAS_LIMIT=swiglu_limit is not None,
         HAS_BIAS=gate_up_bias is not None, **blocks_mnk, **dots)
-    down = torch.empty((pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    # Rows of absent pairs (id == experts, see moe_align) are never written: they must read as 0.
+    down = (torch.zeros if experts_elsewhere else torch.empty)((pairs, hidden_size), dtype=hidden.dtype,
+                                                               device=hidden.device)
     _down_kernel[(blocks, triton.cdiv(hidden_size, config.block_n))](
         act, w_down, hidden if down_bias is None else down_bias, topk_weights.float().contiguous(), down,
         sorted_ids, expert_of_block, num_padded, top_k, pairs, hidden_size, inter, *w_down.stride(),

@@ -48,6 +48,31 @@ def test_decode_steps_admit_waiting_requests_as_places_free_up(throughput):
     assert throughput.decode_steps([5, 1, 1], max_batch=2) == 5
 
 
+def test_decode_batches_count_the_running_requests_of_each_step(throughput):
+    # Two places: requests of 3 and 1 steps start together; the third (1 step) takes the second place at step 1.
+    assert throughput.decode_batches([3, 1, 1], max_batch=2) == [2, 2, 1]
+
+
+def test_an_moe_step_reads_only_the_experts_its_batch_touches(throughput):
+    # 4 experts, 2 per token: one token touches 2 of 4; a batch of b, 4 * (1 - (1/2)^b) on average.
+    config = dict(hidden_size=8, num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2,
+                  intermediate_size=16)
+    expert_bytes = 2 * 3 * 8 * 16  # gate, up and down of one expert in bf16
+    dense = 1000
+    total = dense + 4 * expert_bytes
+    assert throughput.step_weight_bytes(config, total, 1) == pytest.approx(dense + 2 * expert_bytes)
+    assert throughput.step_weight_bytes(config, total, 2) == pytest.approx(dense + 3 * expert_bytes)
+    assert throughput.step_weight_bytes({"hidden_size": 8}, total, 1) == total  # dense: every weight
+
+
+def test_sliding_layers_read_at_most_their_window_of_each_context(throughput):
+    config = dict(num_hidden_layers=2, num_key_value_heads=1, head_dim=4, num_attention_heads=1, hidden_size=4,
+                  sliding_window=3, layer_types=["sliding_attention", "full_attention"])
+    per_token = 2 * 1 * 4 * 2  # K and V, one head of 4, bf16
+    # A 2-token prompt decoding 3 tokens reads contexts 2, 3, 4: the full layer all 9, the windowed 2 + 3 + 3.
+    assert throughput.kv_bytes_read(config, [[0, 0]], [3]) == per_token * (9 + 8)
+
+
 def test_physical_limit_reproduces_the_recorded_decode_limits(throughput):
     prompts, max_tokens = throughput.workload_a()
     checked = 0
@@ -55,6 +80,8 @@ def test_physical_limit_reproduces_the_recorded_decode_limits(throughput):
         run = json.loads(path.read_text())
         if "physical_limit_inputs" not in run or run.get("workload_name", "a") != "a":
             continue
+        if throughput.sliding_layers(throughput.SHAPES[run["model"]]):
+            continue  # recorded before the limit capped sliding layers' K/V reads at their window
         limit = throughput.physical_limit(throughput.SHAPES[run["model"]], prompts, max_tokens,
                                           run["physical_limit_inputs"]["weight_bytes"], max_batch=256)
         assert limit["output_tok_s"] == pytest.approx(run["physical_limit_output_tok_s"], rel=1e-9)

@@ -157,3 +157,66 @@ def test_triton_fused_moe_default_config_and_gpt_oss_activation(triton_moe):
     out = triton_moe.fused_moe(hidden, topk_weights=weights, topk_ids=ids, **weights_and_layout)
     expected = reference.fused_moe(hidden, topk_weights=weights, topk_ids=ids, **weights_and_layout)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_moe_align_gives_absent_pairs_no_row():
+    """Id ``num_experts`` marks a pair whose expert another expert-parallel rank holds."""
+    topk_ids = torch.tensor([[0, 2], [2, 0], [1, 2]], dtype=torch.int32)  # 2 = absent of 2 experts
+    sorted_ids, expert_of_block, num_padded = reference.moe_align(topk_ids, 2, block_m=2)
+    assert num_padded.tolist() == [4]
+    assert sorted_ids[:4].tolist() == [0, 3, 4, 6]  # expert 0: pairs 0 and 3; expert 1: pair 4, then padding
+    assert (sorted_ids[4:] == 6).all() and expert_of_block[:2].tolist() == [0, 1]
+
+
+@torch.no_grad()
+def test_two_expert_parallel_shares_sum_to_the_whole_layer(triton_moe):
+    """Each half of the experts, the other half absent, in the Triton kernels (which then zero the
+    rows of absent pairs) and the reference; their sum is the whole layer."""
+    block = random_moe_block(norm_topk_prob=True)
+    hidden = torch.randn(TOKENS, HIDDEN)
+    weights, ids = reference.route(block.gate(hidden)[0], TOP_K, renormalize=True, softmax_first=True)
+    whole = reference.fused_moe(hidden, block.experts.gate_up_proj, block.experts.down_proj, weights, ids)
+    half = EXPERTS // 2
+    for kernels in (reference, triton_moe):
+        shares = []
+        for first in (0, half):
+            local = torch.where((ids >= first) & (ids < first + half), ids - first, torch.full_like(ids, half))
+            experts = slice(first, first + half)
+            shares.append(kernels.fused_moe(hidden, block.experts.gate_up_proj[experts],
+                                            block.experts.down_proj[experts], weights, local, experts_elsewhere=True))
+        torch.testing.assert_close(shares[0] + shares[1], whole, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_moe_layer_loads_per_expert_and_stacked_tensors_alike():
+    """The hub's per-expert tensors (``experts.3.gate_proj.weight``) and transformers 5's stacked
+    ones fill the layer identically, and it computes transformers' block."""
+    from hookllm.layers.fused_moe import FusedMoE, expert_tensor_renamer
+
+    block = random_moe_block(norm_topk_prob=True)
+    gate_up, down = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()
+    stacked = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, renormalize=True)
+    assert stacked.weight_loader(stacked.gate_up_proj, gate_up) == stacked.expected_shards("gate_up_proj")
+    stacked.weight_loader(stacked.down_proj, down)
+    per_expert = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, renormalize=True)
+    rename = expert_tensor_renamer({"gate_proj": "gate", "up_proj": "up", "down_proj": "down"})
+    for e in range(EXPERTS):
+        for proj, tensor in (("gate_proj", gate_up[e, :INTER]), ("up_proj", gate_up[e, INTER:]),
+                             ("down_proj", down[e])):
+            name, shard = rename(f"model.layers.0.mlp.experts.{e}.{proj}.weight")
+            param = per_expert.gate_up_proj if name.endswith("gate_up_proj") else per_expert.down_proj
+            assert per_expert.weight_loader(param, tensor, shard) == [shard]
+    assert torch.equal(per_expert.gate_up_proj, stacked.gate_up_proj) and torch.equal(per_expert.down_proj, down)
+    hidden = torch.randn(TOKENS, HIDDEN)
+    with torch.no_grad():
+        torch.testing.assert_close(per_expert(hidden, block.gate(hidden)[0]), block(hidden[None])[0],
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_fused_moe_layer_refuses_a_wrong_shaped_expert_tensor():
+    from hookllm.layers.fused_moe import FusedMoE
+
+    layer = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER)
+    with pytest.raises(ValueError, match=r"expert gate projection: checkpoint shape \(16, 31\) != expected \(16, 32\)"):
+        layer.weight_loader(layer.gate_up_proj, torch.zeros(INTER, HIDDEN - 1), "gate:0")
+    with pytest.raises(ValueError, match=r"unknown expert shard 'gate:9'"):
+        layer.weight_loader(layer.gate_up_proj, torch.zeros(INTER, HIDDEN), "gate:9")

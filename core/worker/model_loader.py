@@ -123,6 +123,7 @@ def load_weights_into(
     weights: Iterable[tuple[str, LoadedWeight]],
     stacked: Sequence[tuple[str, str, str]] = (),
     skip: Callable[[str], bool] = lambda name: False,
+    rename: Callable[[str], tuple[str, str | None] | None] = lambda name: None,
 ) -> None:
     """Copy checkpoint tensors into ``model``'s parameters by name; fail on any mismatch.
 
@@ -131,15 +132,25 @@ def load_weights_into(
     fused one, and it copies this rank's part; any other parameter receives the whole tensor.
     ``stacked`` maps checkpoint names onto fused parameters: ``(".qkv_proj", ".q_proj", "q")``
     sends ``...q_proj.weight`` to shard ``"q"`` of ``...qkv_proj.weight``. ``skip`` names
-    checkpoint tensors to ignore (e.g. a saved copy of a tied lm_head). Raises ``ValueError``
-    naming every unexpected checkpoint tensor and every parameter left unloaded.
+    checkpoint tensors to ignore (e.g. a saved copy of a tied lm_head). ``rename`` maps a
+    checkpoint name onto ``(parameter, shard)``, or None to use the rules above (per-expert
+    tensors onto stacked experts: :func:`hookllm.layers.fused_moe.expert_tensor_renamer`).
+
+    A module with ``expected_shards(param_name)`` (``FusedMoE``) lists the shards each of its
+    parameters needs, and its ``weight_loader`` returns the shards a tensor filled (a stacked
+    tensor fills all of them; a tensor of an expert another rank holds fills none of this
+    rank's). Raises ``ValueError`` naming every unexpected checkpoint tensor and every
+    parameter (or shard) left unloaded.
     """
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     expected: set[tuple[str, str | None]] = set()
     for name in params:
-        owner = modules.get(name.rpartition(".")[0])
-        if hasattr(owner, "shard_offsets"):
+        owner_name, _, local_name = name.rpartition(".")
+        owner = modules.get(owner_name)
+        if hasattr(owner, "expected_shards"):
+            expected.update((name, shard) for shard in owner.expected_shards(local_name))
+        elif hasattr(owner, "shard_offsets"):
             expected.update((name, shard) for shard in owner.shard_offsets)
         else:
             expected.add((name, None))
@@ -148,24 +159,28 @@ def load_weights_into(
     for ckpt_name, tensor in weights:
         if skip(ckpt_name):
             continue
-        name, shard = ckpt_name, None
+        name, shard = rename(ckpt_name) or (ckpt_name, None)
         for fused, part, shard_id in stacked:
-            if part + "." in ckpt_name:
+            if shard is None and part + "." in ckpt_name:
                 name, shard = ckpt_name.replace(part + ".", fused + "."), shard_id
                 break
         param = params.get(name)
-        if param is None or (name, shard) not in expected:
+        owner = modules.get(name.rpartition(".")[0])
+        reports_shards = hasattr(owner, "expected_shards")
+        if param is None or (not reports_shards and (name, shard) not in expected):
             unexpected.append(ckpt_name)
             continue
-        owner = modules[name.rpartition(".")[0]]
         weight_loader = getattr(owner, "weight_loader", None)
         with torch.no_grad():
             if weight_loader is not None:
                 args = (param, tensor) if shard is None else (param, tensor, shard)
                 try:
-                    weight_loader(*args)
+                    filled = weight_loader(*args)
                 except ValueError as exc:
                     raise ValueError(f"checkpoint tensor {ckpt_name}: {exc}") from exc
+                if reports_shards:
+                    loaded.update((name, s) for s in filled)
+                    continue
             else:
                 if tuple(param.shape) != loaded_shape(tensor):
                     raise ValueError(

@@ -16,7 +16,7 @@ from torch import nn
 
 from hookllm.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, text_config_of
 from hookllm.worker.cuda_graph import CudaGraphRunner
-from hookllm.distributed import check_tensor_parallel
+from hookllm.distributed import check_tensor_parallel, set_expert_parallel
 from hookllm.forward_context import AttentionMetadata, set_forward_context
 from hookllm.kernels import get_attention_backend, resolve_attention_backend
 from hookllm.layers.attention import Attention
@@ -44,9 +44,13 @@ def resolve_model(config: EngineConfig, plugin_manager: PluginManager) -> tuple[
     owner = registry.owner(model_config.architecture, selected, config.model_impl)
     model_config.plugin = owner
     model_config.load_format = config.load_format
+    model_cls = registry.resolve(model_config.architecture, owner)
     if config.tensor_parallel_size > 1:
-        check_tensor_parallel(registry.resolve(model_config.architecture, owner), model_config.hf_config,
+        check_tensor_parallel(model_cls, model_config.hf_config,
                               config.tensor_parallel_size, torch.cuda.device_count() if device.type == "cuda" else None)
+    if config.enable_expert_parallel and not getattr(model_cls, "supports_expert_parallel", False):
+        raise ValueError(f"enable_expert_parallel: {model_config.architecture} served by {owner!r} has no "
+                         "expert-parallel MoE layers (the native MoE adapters do)")
     active = selected + ([owner] if owner not in selected else [])
     context = EngineContext(config, model_config, registry)
     return model_config, plugin_manager.active_hooks(active, default_hooks, context)
@@ -63,6 +67,7 @@ class Worker:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, hooks: ActiveHooks, registry: ModelRegistry):
         self.config = config
         self.model_config = model_config
+        set_expert_parallel(config.enable_expert_parallel)  # read by MoE layers as they are built
         self.device = resolve_device(config.device)
         self.dtype = model_config.dtype
         self.hooks = hooks
