@@ -101,10 +101,19 @@ def _gate_up_kernel(hidden_ptr, w_ptr, bias_ptr, out_ptr, sorted_ids_ptr, expert
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     is_col = cols < inter
     w = w_ptr + expert * w_stride_e
-    gate = _rows_times_weight(hidden_ptr, token, is_pair, hidden_stride, w, w_stride_n, w_stride_k, cols, is_col,
-                              hidden_size, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
-    up = _rows_times_weight(hidden_ptr, token, is_pair, hidden_stride, w, w_stride_n, w_stride_k, inter + cols,
-                            is_col, hidden_size, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
+    # One pass over K: each tile of the gathered rows is loaded once for both the gate and up dots.
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden_size, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        in_k = ks < hidden_size
+        a = tl.load(hidden_ptr + token[:, None] * hidden_stride + ks[None, :], mask=is_pair[:, None] & in_k[None, :],
+                    other=0.0).to(DOT_DTYPE)
+        w_mask = is_col[None, :] & in_k[:, None]
+        w_gate = tl.load(w + cols[None, :] * w_stride_n + ks[:, None] * w_stride_k, mask=w_mask, other=0.0)
+        w_up = tl.load(w + (inter + cols)[None, :] * w_stride_n + ks[:, None] * w_stride_k, mask=w_mask, other=0.0)
+        gate += tl.dot(a, w_gate.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        up += tl.dot(a, w_up.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     if HAS_BIAS:
         bias = bias_ptr + expert * bias_stride_e
         gate += tl.load(bias + cols, mask=is_col, other=0.0).to(tl.float32)[None, :]

@@ -68,10 +68,11 @@ CASES = {
         vocab_size=VOCAB, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=256, word_embed_proj_dim=64, bos_token_id=0, eos_token_id=1, pad_token_id=0)),
     "qwen3-moe": Case(lambda: Qwen3MoeConfig(**small(head_dim=16, moe_intermediate_size=32, num_experts=4,
-                                                     num_experts_per_tok=2))),
-    "mixtral": Case(lambda: MixtralConfig(**small(num_local_experts=4, num_experts_per_tok=2))),
+                                                     num_experts_per_tok=2)), model_impl="transformers"),
+    "mixtral": Case(lambda: MixtralConfig(**small(num_local_experts=4, num_experts_per_tok=2)),
+                    model_impl="transformers"),
     "gpt-oss-sinks-window": Case(lambda: GptOssConfig(**small(head_dim=16, **ALTERNATING, num_local_experts=4,
-                                                              num_experts_per_tok=2))),
+                                                              num_experts_per_tok=2)), model_impl="transformers"),
 }
 
 

@@ -1,7 +1,9 @@
 """Native Llama-family decoders: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
 
 One implementation serves all four; the differences are two flags read from the class. Weights
-load from HF checkpoints, with q/k/v and gate/up fused into single matmuls.
+load from HF checkpoints, with q/k/v and gate/up fused into single matmuls. A subclass swaps a
+layer's feed-forward block through ``make_mlp`` and maps extra checkpoint names through
+``rename_weight`` (the MoE adapter, ``hookllm.adapters.moe``, does both).
 
 Tensor parallel (``supports_tensor_parallel``): attention heads, the MLP's intermediate dim and
 the vocabulary are split across ranks (see docs/tensor-parallel.md); with one rank the layers
@@ -10,7 +12,7 @@ are the plain matmuls.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -61,13 +63,14 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: Any):
+    """The gated SiLU MLP; ``intermediate_size`` overrides the config's (Qwen2-MoE's shared expert)."""
+
+    def __init__(self, config: Any, intermediate_size: int | None = None):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, {"gate": config.intermediate_size, "up": config.intermediate_size}, bias=bias
-        )
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        inter = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, {"gate": inter, "up": inter}, bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,10 +78,11 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, rotary_emb: nn.Module, sliding_window: int | None):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, rotary_emb: nn.Module, sliding_window: int | None,
+                 mlp: nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(config, qkv_bias, qk_norm, rotary_emb, sliding_window)
-        self.mlp = DecoderMLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -96,7 +100,9 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool):
+    """``make_mlp(config, layer_index)`` builds each layer's feed-forward block."""
+
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, make_mlp: Callable[[Any, int], nn.Module]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table shared by every layer (it is max_position x head_dim floats).
@@ -105,7 +111,8 @@ class DecoderModel(nn.Module):
         rotary_emb = get_rope(head_dim, config.max_position_embeddings, base, scaling)
         # Mistral v0.1 slides every layer; Qwen2 with use_sliding_window only those from max_window_layers.
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, qk_norm, rotary_emb, window) for window in layer_sliding_windows(config)
+            DecoderLayer(config, qkv_bias, qk_norm, rotary_emb, window, make_mlp(config, index))
+            for index, window in enumerate(layer_sliding_windows(config))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -133,10 +140,19 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
-        self.model = DecoderModel(config, qkv_bias, self.qk_norm)
+        self.model = DecoderModel(config, qkv_bias, self.qk_norm, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, config: Any, layer_index: int) -> nn.Module:
+        """Layer ``layer_index``'s feed-forward block (called while ``__init__`` builds the layers)."""
+        return DecoderMLP(config)
+
+    def rename_weight(self, name: str) -> tuple[str, str | None] | None:
+        """The ``(parameter, shard)`` a checkpoint tensor loads into, asked before the q/k/v and
+        gate/up fusing rules of ``load_weights``; None leaves it to them (every dense checkpoint)."""
+        return None
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -165,6 +181,7 @@ class LlamaForCausalLM(nn.Module):
             ],
             # Old checkpoints carry rotary tables; tied ones may still save a copy of lm_head.
             skip=lambda name: "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"),
+            rename=self.rename_weight,
         )
 
 

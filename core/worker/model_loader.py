@@ -161,8 +161,8 @@ def load_weights_into(
             continue
         name, shard = rename(ckpt_name) or (ckpt_name, None)
         for fused, part, shard_id in stacked:
-            if shard is None and part + "." in ckpt_name:
-                name, shard = ckpt_name.replace(part + ".", fused + "."), shard_id
+            if shard is None and part + "." in name:
+                name, shard = name.replace(part + ".", fused + "."), shard_id
                 break
         param = params.get(name)
         owner = modules.get(name.rpartition(".")[0])
