@@ -304,8 +304,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
     # One extra bin counts the absent pairs, which sort last and are dropped.
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded_counts = (counts + block_m - 1) // block_m * block_m
-    padded_counts[num_experts] = 0
+    # The absent bin gets no rows (concatenated rather than assigned: no host-to-device copy).
+    padded_counts = torch.cat([(counts[:num_experts] + block_m - 1) // block_m * block_m, counts.new_zeros(1)])
     padded_ends = torch.cumsum(padded_counts, dim=0)
     padded_starts = padded_ends - padded_counts
     order = torch.argsort(flat, stable=True)
