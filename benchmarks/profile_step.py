@@ -28,11 +28,11 @@ from hookllm.worker.model_runner import StepOutput  # noqa: E402
 # Host-side parts of LLMEngine.step, timed by wrapping these methods (owner path, method).
 # "forward" contains "build_inputs"; "process outputs" contains "wait for tokens".
 PARTS = {
-    "schedule": ("scheduler", "schedule"),
-    "forward (build inputs + launch or replay)": ("worker.runner", "forward"),
-    "build_inputs": ("worker.runner", "build_inputs"),
+    "schedule": ("engine_core.scheduler", "schedule"),
+    "forward (build inputs + launch or replay)": ("engine_core.worker.runner", "forward"),
+    "build_inputs": ("engine_core.worker.runner", "build_inputs"),
     "sample hook (launch)": ("hooks.hook", "sample"),
-    "process outputs": ("", "_process"),
+    "process outputs": ("output_processor", "process_outputs"),
     "wait for tokens": (StepOutput, "resolve"),
 }
 
