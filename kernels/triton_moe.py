@@ -18,6 +18,7 @@ routing, instead of the reference's two matmuls per expert:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -57,10 +58,15 @@ _CONFIGS_BY_PAIRS_PER_EXPERT = (
 )
 
 
-def default_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
-    """The block sizes for ``num_tokens`` tokens routed to ``top_k`` of ``num_experts`` experts."""
+def default_config(num_tokens: int, top_k: int, num_experts: int, element_size: int = 2) -> MoeConfig:
+    """The block sizes for ``num_tokens`` tokens routed to ``top_k`` of ``num_experts`` experts,
+    of ``element_size``-byte inputs: wider elements take a shorter reduction step, so that a
+    stage's tiles need the shared memory they need in bf16 (the tuned tables' dtype)."""
     pairs_per_expert = num_tokens * top_k / num_experts
-    return next(config for bound, config in _CONFIGS_BY_PAIRS_PER_EXPERT if pairs_per_expert <= bound)
+    config = next(config for bound, config in _CONFIGS_BY_PAIRS_PER_EXPERT if pairs_per_expert <= bound)
+    if element_size <= 2:
+        return config
+    return dataclasses.replace(config, block_k=max(16, config.block_k * 2 // element_size))
 
 
 @triton.jit
@@ -167,7 +173,8 @@ def fused_moe(
     return fused_moe_with(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation=activation,
                           gate_up_bias=gate_up_bias, down_bias=down_bias, swiglu_limit=swiglu_limit,
                           experts_elsewhere=experts_elsewhere,
-                          config=default_config(hidden.shape[0], topk_ids.shape[1], w_down.shape[0]))
+                          config=default_config(hidden.shape[0], topk_ids.shape[1], w_down.shape[0],
+                                                hidden.element_size()))
 
 
 def fused_moe_with(

@@ -220,3 +220,12 @@ def test_fused_moe_layer_refuses_a_wrong_shaped_expert_tensor():
         layer.weight_loader(layer.gate_up_proj, torch.zeros(INTER, HIDDEN - 1), "gate:0")
     with pytest.raises(ValueError, match=r"unknown expert shard 'gate:9'"):
         layer.weight_loader(layer.gate_up_proj, torch.zeros(INTER, HIDDEN), "gate:9")
+
+
+def test_default_config_keeps_a_stage_of_fp32_tiles_in_bf16s_shared_memory():
+    """The tuned (bf16) tiles would overflow the H200's shared memory in fp32: the reduction step halves."""
+    from hookllm.kernels import triton_moe as kernels
+
+    bf16 = kernels.default_config(256, 8, 128)  # 16 pairs per expert
+    fp32 = kernels.default_config(256, 8, 128, element_size=4)
+    assert (fp32.block_m, fp32.block_n, fp32.block_k) == (bf16.block_m, bf16.block_n, bf16.block_k // 2)
