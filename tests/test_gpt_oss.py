@@ -30,7 +30,7 @@ from hookllm.adapters.gpt_oss.model import GptOssForCausalLM
 from hookllm.layers.rotary import RotaryEmbedding, yarn_parameters
 from hookllm.plugins.contract import contract_violations
 from test_tensor_parallel import assert_same_outputs, run
-from test_transformers_backend import ALTERNATING, MAX_TOKENS, VOCAB, WINDOW, assert_prompt_logprobs, small
+from test_transformers_backend import ALTERNATING, MAX_TOKENS, VOCAB, WINDOW, assert_answers_as_transformers, small
 from test_transformers_tensor_parallel import assert_same_prompt_logprobs
 
 PROMPTS = testing.random_prompts(4, VOCAB, min_len=40, max_len=70, seed=5)  # past the 16-token window
@@ -157,19 +157,7 @@ def test_tokens_and_prompt_logprobs_equal_transformers(checkpoints, async_schedu
     assert type(model) is GptOssForCausalLM
     assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [WINDOW, None]
     assert llm.engine.engine_core.block_manager.group_windows == (None, WINDOW)
-    batches = testing.record_batches(llm.engine)
-    requests = [{"prompt_token_ids": p} for p in PROMPTS]
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
-    outputs = llm.generate(requests, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == checkpoints.tokens
-    for output, prompt, expected in zip(outputs, PROMPTS, checkpoints.logprobs):
-        assert_prompt_logprobs(output, prompt, expected)
-    assert any(len(b.sampling_rows) < len(b.request_ids) for b in batches), "no prefill was chunked"
-    assert any(b.preempted_request_ids for b in batches), "no request was preempted"
-    again = llm.generate(requests, testing.greedy(MAX_TOKENS), use_tqdm=False)  # from the prefix cache
-    assert [o.outputs[0].token_ids for o in again] == checkpoints.tokens
-    assert llm.engine.get_stats().prefix_cache_hits > 0
-    testing.assert_all_blocks_free(llm)
+    assert_answers_as_transformers(llm, PROMPTS, checkpoints.tokens, checkpoints.logprobs)
 
 
 def test_sinks_and_biases_matter(checkpoints, tmp_path):

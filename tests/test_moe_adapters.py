@@ -75,20 +75,7 @@ def test_tokens_and_prompt_logprobs_equal_transformers(cases, name, async_schedu
     sparse = [isinstance(layer.mlp, moe.SparseMoeBlock) for layer in model.model.layers]
     assert sparse == SPARSE_LAYERS.get(name, [True] * len(sparse))
     assert any(m.sliding_window == WINDOW for m in model.modules() if isinstance(m, Attention)) == (name in WINDOWED)
-    batches = testing.record_batches(llm.engine)
-    requests = [{"prompt_token_ids": p} for p in case.prompts]
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
-    outputs = llm.generate(requests, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == case.tokens
-    for output, prompt, expected in zip(outputs, case.prompts, case.logprobs):
-        backend.assert_prompt_logprobs(output, prompt, expected)
-    assert any(len(b.sampling_rows) < len(b.request_ids) for b in batches), "no prefill was chunked"
-    assert any(b.preempted_request_ids for b in batches), "no request was preempted"
-    # Again from the prefix cache (no prompt logprobs: those skip it).
-    again = llm.generate(requests, testing.greedy(MAX_TOKENS), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in again] == case.tokens
-    assert llm.engine.get_stats().prefix_cache_hits > 0
-    testing.assert_all_blocks_free(llm)
+    backend.assert_answers_as_transformers(llm, case.prompts, case.tokens, case.logprobs)
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)

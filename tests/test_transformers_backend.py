@@ -138,18 +138,26 @@ def test_tokens_and_prompt_logprobs_equal_transformers(case, async_scheduling):
     model = llm.engine.engine_core.worker.model
     assert isinstance(model, TransformersForCausalLM)
     assert any(layer.sliding_window == WINDOW for layer in model.attention) == case.windowed
+    assert_answers_as_transformers(llm, case.prompts, case.tokens, case.logprobs)
+
+
+def assert_answers_as_transformers(llm: LLM, prompts: list[list[int]], tokens: list[list[int]],
+                                   logprobs: list[torch.Tensor]) -> None:
+    """``llm``'s greedy tokens and prompt logprobs of ``prompts`` equal transformers' (``tokens``,
+    ``logprobs``) with some prefill chunked and some request preempted; then the same tokens again
+    from the prefix cache, and no KV block held at the end."""
     batches = testing.record_batches(llm.engine)
-    requests = [{"prompt_token_ids": p} for p in case.prompts]
+    requests = [{"prompt_token_ids": p} for p in prompts]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     outputs = llm.generate(requests, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == case.tokens
-    for output, prompt, expected in zip(outputs, case.prompts, case.logprobs):
+    assert [o.outputs[0].token_ids for o in outputs] == tokens
+    for output, prompt, expected in zip(outputs, prompts, logprobs):
         assert_prompt_logprobs(output, prompt, expected)
     assert any(len(b.sampling_rows) < len(b.request_ids) for b in batches), "no prefill was chunked"
     assert any(b.preempted_request_ids for b in batches), "no request was preempted"
     # Again, now reading the prompts' KV blocks from the prefix cache (no prompt logprobs: those skip it).
     again = llm.generate(requests, testing.greedy(MAX_TOKENS), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in again] == case.tokens
+    assert [o.outputs[0].token_ids for o in again] == tokens
     assert llm.engine.get_stats().prefix_cache_hits > 0
     testing.assert_all_blocks_free(llm)
 

@@ -20,15 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hookllm.adapters.gpt_oss.mxfp4 import check_quantization, dequantized_weights
-from hookllm.adapters.llama.model import rope_settings
-from hookllm.config import layer_sliding_windows
+from hookllm.adapters.llama.model import LlamaForCausalLM
 from hookllm.kernels.reference import SWIGLU_OAI_ALPHA
-from hookllm.layers import (
-    Attention, ParallelLMHead, QKVParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding, get_rope,
-)
+from hookllm.layers import Attention, QKVParallelLinear, RowParallelLinear
 from hookllm.layers.fused_moe import FusedMoE
 from hookllm.layers.linear import LoadedWeight, check_loaded_shape, narrow_loaded
-from hookllm.worker.model_loader import load_weights_into
 
 
 def _head_dim(config: Any) -> int:
@@ -94,79 +90,26 @@ class GptOssMLP(nn.Module):
         return self.experts(hidden_states, self.router(hidden_states))
 
 
-class GptOssDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary_emb: nn.Module, sliding_window: int | None):
-        super().__init__()
-        self.self_attn = GptOssAttention(config, rotary_emb, sliding_window)
-        self.mlp = GptOssMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+class GptOssForCausalLM(LlamaForCausalLM):
+    """gpt-oss-20b / -120b and any checkpoint of their config, bf16 or MXFP4: the Llama-family
+    decoder with gpt-oss's attention and experts in each layer."""
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add rides along with each norm (one read of the hidden states).
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
-
-
-class GptOssModel(nn.Module):
-    def __init__(self, config: Any):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        base, scaling = rope_settings(config)
-        # One (YaRN) cos/sin table shared by every layer.
-        rotary_emb = get_rope(_head_dim(config), config.max_position_embeddings, base, scaling)
-        self.layers = nn.ModuleList(
-            GptOssDecoderLayer(config, rotary_emb, window) for window in layer_sliding_windows(config)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-
-class GptOssForCausalLM(nn.Module):
-    """gpt-oss-20b / -120b and any checkpoint of their config, bf16 or MXFP4."""
-
-    # Opt-ins read by hookllm.distributed.check_tensor_parallel and the worker.
     supports_tensor_parallel = True
     supports_expert_parallel = True
 
     def __init__(self, config: Any):
-        super().__init__()
         # Refuse an unknown quantization before anything is allocated.
         self.quant_method = check_quantization(config)
         alpha = getattr(config, "swiglu_alpha", SWIGLU_OAI_ALPHA)
         if alpha != SWIGLU_OAI_ALPHA:
             raise ValueError(f"swiglu_alpha={alpha}: hookllm's MoE kernels implement gpt-oss's {SWIGLU_OAI_ALPHA} only")
-        self.config = config
-        self.model = GptOssModel(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config)
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+    def make_attention(self, config: Any, rotary_emb: nn.Module, sliding_window: int | None) -> nn.Module:
+        return GptOssAttention(config, rotary_emb, sliding_window)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits on every rank (the head all-gathers its vocabulary shards)."""
-        return self.lm_head(hidden_states)
+    def make_mlp(self, config: Any, layer_index: int) -> nn.Module:
+        return GptOssMLP(config)
 
     def mxfp4_shapes(self) -> dict[str, tuple[int, int, int]]:
         """Each quantizable checkpoint tensor's ``(experts, rows, cols)``: rows the outputs, cols
@@ -186,14 +129,4 @@ class GptOssForCausalLM(nn.Module):
         if self.quant_method == "mxfp4":
             experts = self.model.layers[0].mlp.experts.gate_up_proj
             weights = dequantized_weights(weights, self.mxfp4_shapes(), experts.dtype, experts.device)
-        tied = getattr(self.config, "tie_word_embeddings", False)
-        load_weights_into(
-            self,
-            weights,
-            stacked=[
-                (".qkv_proj", ".q_proj", "q"),
-                (".qkv_proj", ".k_proj", "k"),
-                (".qkv_proj", ".v_proj", "v"),
-            ],
-            skip=lambda name: "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"),
-        )
+        super().load_weights(weights)

@@ -2,8 +2,9 @@
 
 One implementation serves all four; the differences are two flags read from the class. Weights
 load from HF checkpoints, with q/k/v and gate/up fused into single matmuls. A subclass swaps a
-layer's feed-forward block through ``make_mlp`` and maps extra checkpoint names through
-``rename_weight`` (the MoE adapter, ``hookllm.adapters.moe``, does both).
+layer's attention and feed-forward blocks through ``make_attention`` and ``make_mlp`` and maps
+extra checkpoint names through ``rename_weight`` (the MoE adapters, ``hookllm.adapters.moe`` and
+``hookllm.adapters.gpt_oss``, do).
 
 Tensor parallel (``supports_tensor_parallel``): attention heads, the MLP's intermediate dim and
 the vocabulary are split across ranks (see docs/tensor-parallel.md); with one rank the layers
@@ -78,10 +79,11 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, rotary_emb: nn.Module, sliding_window: int | None,
-                 mlp: nn.Module):
+    """Pre-norm residual block around the attention and feed-forward modules it is given."""
+
+    def __init__(self, config: Any, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
-        self.self_attn = DecoderAttention(config, qkv_bias, qk_norm, rotary_emb, sliding_window)
+        self.self_attn = self_attn
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -100,9 +102,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """``make_mlp(config, layer_index)`` builds each layer's feed-forward block."""
+    """``make_attention(config, rotary_emb, sliding_window)`` and ``make_mlp(config, layer_index)``
+    build each layer's attention and feed-forward blocks."""
 
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, make_mlp: Callable[[Any, int], nn.Module]):
+    def __init__(self, config: Any, make_attention: Callable[[Any, nn.Module, int | None], nn.Module],
+                 make_mlp: Callable[[Any, int], nn.Module]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table shared by every layer (it is max_position x head_dim floats).
@@ -111,7 +115,7 @@ class DecoderModel(nn.Module):
         rotary_emb = get_rope(head_dim, config.max_position_embeddings, base, scaling)
         # Mistral v0.1 slides every layer; Qwen2 with use_sliding_window only those from max_window_layers.
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, qk_norm, rotary_emb, window, make_mlp(config, index))
+            DecoderLayer(config, make_attention(config, rotary_emb, window), make_mlp(config, index))
             for index, window in enumerate(layer_sliding_windows(config))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -139,11 +143,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any):
         super().__init__()
         self.config = config
-        qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
-        self.model = DecoderModel(config, qkv_bias, self.qk_norm, self.make_mlp)
+        self.model = DecoderModel(config, self.make_attention, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_attention(self, config: Any, rotary_emb: nn.Module, sliding_window: int | None) -> nn.Module:
+        """One layer's attention block (called while ``__init__`` builds the layers)."""
+        qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
+        return DecoderAttention(config, qkv_bias, self.qk_norm, rotary_emb, sliding_window)
 
     def make_mlp(self, config: Any, layer_index: int) -> nn.Module:
         """Layer ``layer_index``'s feed-forward block (called while ``__init__`` builds the layers)."""
