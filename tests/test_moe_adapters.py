@@ -205,3 +205,17 @@ def test_each_rank_holds_its_share_of_the_experts(cases, tmp_path):
             torch.testing.assert_close(gate_up[local], torch.cat([weight(e, "gate_proj"), weight(e, "up_proj")]),
                                        atol=0, rtol=0)
             torch.testing.assert_close(down[local], weight(e, "down_proj"), atol=0, rtol=0)
+
+
+def test_expert_parallel_is_refused_for_a_model_without_experts(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"enable_expert_parallel: LlamaForCausalLM served by 'llama' has no "
+                                         r"expert-parallel MoE layers"):
+        LLM(str(tiny_llama_dir), dtype="float32", device="cpu", enable_expert_parallel=True)
+
+
+def test_enable_expert_parallel_is_an_engine_flag():
+    from hookllm.engine.arg_utils import EngineArgs
+    from hookllm.utils import FlexibleArgumentParser
+
+    args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(["--enable-expert-parallel"])
+    assert EngineArgs.from_cli_args(args).create_engine_config().enable_expert_parallel is True
