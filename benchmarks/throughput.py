@@ -42,6 +42,12 @@ from common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, add_out_argument, 
 # Throughput workloads: name -> (label, lowest length, highest length, requests); prompts and
 # outputs draw their lengths from the same range.
 WORKLOADS = {"a": ("A", 100, 1024, 256), "short": ("short", 32, 320, 2048)}
+# Sampling filters and penalties a run may add to workload A's temperature 0.6 (--top-p ...), as
+# chat clients send them; the transformers peers apply those `generate` has (no presence or
+# frequency penalty).
+SAMPLING_OPTIONS = {"top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
+                    "presence_penalty": float, "frequency_penalty": float}
+PEER_SAMPLING_OPTIONS = ("top_p", "top_k", "min_p", "repetition_penalty")
 LATENCY_PROMPT_TOKENS = 3000
 LATENCY_OUTPUT_TOKENS = 256
 
@@ -176,6 +182,21 @@ def summarize(name: str, seconds: float, prompts: list[list[int]], max_tokens: l
     return row
 
 
+def sampling(args) -> dict:
+    """The workload's sampling parameters: temperature 0.6 and the options given on the command line."""
+    chosen = {name: getattr(args, name) for name in SAMPLING_OPTIONS if getattr(args, name, None) is not None}
+    return {"temperature": 0.6, **chosen}
+
+
+def peer_sampling(args) -> dict:
+    return {k: v for k, v in sampling(args).items() if k == "temperature" or k in PEER_SAMPLING_OPTIONS}
+
+
+def sampling_suffix(args) -> str:
+    """``-top_p0.9-top_k50`` for a run with options, so its result file does not replace the plain run's."""
+    return "".join(f"-{k}{v}" for k, v in sampling(args).items() if k != "temperature")
+
+
 def engine_kwargs(args) -> dict:
     impl = {} if args.model_impl is None else dict(model_impl=args.model_impl)
     if args.tiny:
@@ -221,7 +242,7 @@ def run_hookllm(path: Path, prompts, max_tokens, enforce_eager: bool, args) -> t
 
     name = "hookllm" + (" eager" if enforce_eager else "")
     llm, startup = start_llm(path, args, 2048 + 64, enforce_eager)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    params = [SamplingParams(ignore_eos=True, max_tokens=n, **sampling(args)) for n in max_tokens]
     walls = []
     for i in range(args.repeat):
         llm.reset_prefix_cache()  # every call computes the same prompts from scratch, as the first does
@@ -259,7 +280,7 @@ def run_batch1_latency(path: Path, prompt: list[int], args) -> dict:
     return row
 
 
-def run_latency(llm, prompts, max_tokens, rate: float, num_requests: int) -> dict:
+def run_latency(llm, prompts, max_tokens, rate: float, num_requests: int, params: dict) -> dict:
     """Workload B: Poisson arrivals in-process; TTFT and TPOT percentiles."""
     from hookllm import SamplingParams
 
@@ -275,7 +296,7 @@ def run_latency(llm, prompts, max_tokens, rate: float, num_requests: int) -> dic
         while pending and arrivals[pending[0]] <= now_s:
             i = pending.pop(0)
             engine.add_request(f"lat{i}", {"prompt_token_ids": prompts[i]},
-                               SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens[i]))
+                               SamplingParams(ignore_eos=True, max_tokens=max_tokens[i], **params))
             sent[f"lat{i}"] = time.perf_counter()
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, arrivals[pending[0]] - now_s))
@@ -315,12 +336,12 @@ def timed_peer(name: str, run, prompts, max_tokens) -> dict:
     return summarize(name, time.perf_counter() - start, prompts, max_tokens)
 
 
-def run_transformers_cb(path: Path, prompts, max_tokens) -> dict:
+def run_transformers_cb(path: Path, prompts, max_tokens, params: dict) -> dict:
     from transformers import GenerationConfig
 
     model = load_transformers(path)
-    config = GenerationConfig(max_new_tokens=max(max_tokens), do_sample=True, temperature=0.6, eos_token_id=None,
-                              pad_token_id=0)
+    config = GenerationConfig(max_new_tokens=max(max_tokens), do_sample=True, eos_token_id=None, pad_token_id=0,
+                              **params)
 
     def run(batch_prompts, batch_max):
         with model.continuous_batching_context_manager(generation_config=config) as manager:
@@ -334,7 +355,7 @@ def run_transformers_cb(path: Path, prompts, max_tokens) -> dict:
     return timed_peer("transformers_cb", run, prompts, max_tokens)
 
 
-def run_transformers_static(path: Path, prompts, max_tokens, batch_size: int) -> dict:
+def run_transformers_static(path: Path, prompts, max_tokens, batch_size: int, params: dict) -> dict:
     model = load_transformers(path)
 
     def run(batch_prompts, batch_max):
@@ -348,8 +369,8 @@ def run_transformers_static(path: Path, prompts, max_tokens, batch_size: int) ->
                 mask[i, width - len(p):] = 1
             # The batch runs to its longest request; only the tokens each asked for are counted.
             model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=max(chunk_max),
-                           min_new_tokens=max(chunk_max), do_sample=True, temperature=0.6, eos_token_id=None,
-                           pad_token_id=0)
+                           min_new_tokens=max(chunk_max), do_sample=True, eos_token_id=None, pad_token_id=0,
+                           **params)
 
     return timed_peer("transformers_static", run, prompts, max_tokens)
 
@@ -384,7 +405,9 @@ def run_throughput(path: Path, config: dict, weight_bytes: int, payload: dict, a
                    results=results, physical_limit_output_tok_s=limit["output_tok_s"],
                    physical_limit_with_prefill_output_tok_s=limit["output_tok_s_with_prefill"],
                    physical_limit_inputs=limit)
-    name = f"throughput-{payload['model']}" + ("" if args.workload == "a" else f"-{args.workload}")
+    payload.update(sampling=sampling(args), peer_sampling=peer_sampling(args))
+    name = (f"throughput-{payload['model']}" + ("" if args.workload == "a" else f"-{args.workload}")
+            + sampling_suffix(args))
 
     def save() -> None:  # after every engine, so a run cut short keeps what it measured
         write_result(name, payload, args.out)
@@ -392,7 +415,8 @@ def run_throughput(path: Path, config: dict, weight_bytes: int, payload: dict, a
     results["hookllm"], llm = run_hookllm(path, prompts, max_tokens, False, args)
     save()
     if args.latency_rate:
-        results["hookllm"]["latency"] = run_latency(llm, prompts, max_tokens, args.latency_rate, args.latency_requests)
+        results["hookllm"]["latency"] = run_latency(llm, prompts, max_tokens, args.latency_rate, args.latency_requests,
+                                                    sampling(args))
         save()
     del llm
     free_memory()
@@ -401,9 +425,11 @@ def run_throughput(path: Path, config: dict, weight_bytes: int, payload: dict, a
         save()
         del llm
         free_memory()
-    peers = [("transformers_cb", args.skip_cb, lambda: run_transformers_cb(path, prompts[:n_peer], max_tokens[:n_peer])),
+    peers = [("transformers_cb", args.skip_cb, lambda: run_transformers_cb(path, prompts[:n_peer], max_tokens[:n_peer],
+                                                                               peer_sampling(args))),
              ("transformers_static", args.skip_static,
-              lambda: run_transformers_static(path, prompts[:n_peer], max_tokens[:n_peer], args.static_batch_size))]
+              lambda: run_transformers_static(path, prompts[:n_peer], max_tokens[:n_peer], args.static_batch_size,
+                                              peer_sampling(args)))]
     for peer, skip, run in peers:
         if skip or not with_peers:
             continue
@@ -484,6 +510,9 @@ def main() -> None:
                              "(0: eagerly; default: the engine's)")
     parser.add_argument("--latency-rate", type=float, default=0.0, help="workload B arrival rate (0: skip)")
     parser.add_argument("--latency-requests", type=int, default=128)
+    for name, kind in SAMPLING_OPTIONS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                            help=f"every request's {name} (default: unset; temperature is 0.6)")
     add_out_argument(parser)
     args = parser.parse_args()
     args.repeat = args.repeat or (5 if args.workload == "latency" else 1)

@@ -118,3 +118,15 @@ def test_serve_sends_an_evenly_spread_fraction_as_chat_requests_with_required_to
         # Rendered as the server renders it (template, tools, message), about the prompt's length.
         rendered = serve.chat_prompt_ids(tokenizer, body["messages"][0]["content"], body["chat_template"])
         assert 0.9 * len(prompt) <= len(rendered) <= len(prompt)
+
+
+def test_sampling_options_reach_every_request_and_name_the_result(throughput):
+    from argparse import Namespace
+
+    args = Namespace(top_p=0.9, top_k=50, min_p=None, repetition_penalty=None, presence_penalty=0.5,
+                     frequency_penalty=None)
+    assert throughput.sampling(args) == {"temperature": 0.6, "top_p": 0.9, "top_k": 50, "presence_penalty": 0.5}
+    # transformers' generate has no presence penalty: the peers run without it.
+    assert throughput.peer_sampling(args) == {"temperature": 0.6, "top_p": 0.9, "top_k": 50}
+    assert throughput.sampling_suffix(args) == "-top_p0.9-top_k50-presence_penalty0.5"
+    assert throughput.sampling_suffix(Namespace()) == ""
