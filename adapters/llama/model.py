@@ -64,14 +64,15 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    """The gated SiLU MLP; ``intermediate_size`` overrides the config's (Qwen2-MoE's shared expert)."""
+    """The gated SiLU MLP; ``intermediate_size`` overrides the config's and ``reduce_results=False``
+    leaves its tensor-parallel sum to the caller (both for Qwen2-MoE's shared expert)."""
 
-    def __init__(self, config: Any, intermediate_size: int | None = None):
+    def __init__(self, config: Any, intermediate_size: int | None = None, reduce_results: bool = True):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         inter = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, {"gate": inter, "up": inter}, bias=bias)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, reduce_results=reduce_results)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

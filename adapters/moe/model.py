@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from hookllm.adapters.llama.model import DecoderMLP, LlamaForCausalLM
+from hookllm.distributed import tensor_model_parallel_all_reduce
 from hookllm.layers.fused_moe import FusedMoE, expert_tensor_renamer
 
 # Checkpoint projection names -> FusedMoE's gate/up/down shards.
@@ -35,7 +36,7 @@ MIXTRAL_EXPERTS = expert_tensor_renamer({"w1": "gate", "w3": "up", "w2": "down"}
 class SparseMoeBlock(nn.Module):
     """Router, experts and (``shared_expert_size`` given) a shared expert scaled by
     ``sigmoid(shared_expert_gate(x))`` and added to the routed output. ``[tokens, hidden]`` in and
-    out, summed over ranks."""
+    out, summed over ranks by one all-reduce."""
 
     def __init__(self, config: Any, intermediate_size: int, renormalize: bool, shared_expert_size: int | None = None):
         super().__init__()
@@ -43,10 +44,12 @@ class SparseMoeBlock(nn.Module):
         # A plain replicated Linear: under expert parallelism every rank must see every expert's
         # logit to pick a token's top k, and the router is too small to be worth splitting.
         self.gate = nn.Linear(config.hidden_size, num_experts, bias=False)
+        # With a shared expert, its partial sum joins the experts' before the layer's one all-reduce.
+        shared = shared_expert_size is not None
         self.experts = FusedMoE(num_experts, config.num_experts_per_tok, config.hidden_size, intermediate_size,
-                                softmax_first=True, renormalize=renormalize)
-        if shared_expert_size is not None:
-            self.shared_expert = DecoderMLP(config, shared_expert_size)
+                                softmax_first=True, renormalize=renormalize, reduce_results=not shared)
+        if shared:
+            self.shared_expert = DecoderMLP(config, shared_expert_size, reduce_results=False)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
@@ -54,8 +57,9 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         out = self.experts(hidden_states, self.gate(hidden_states))
         if self.shared_expert is not None:
+            # The gate scales each rank's partial sum alike, so the sum of the scaled shares is the scaled sum.
             shared = self.shared_expert(hidden_states)
-            out = out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
+            out = tensor_model_parallel_all_reduce(out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared)
         return out
 
 

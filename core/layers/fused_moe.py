@@ -72,12 +72,15 @@ class FusedMoE(nn.Module):
     :func:`hookllm.kernels.reference.route`); ``activation`` and ``swiglu_limit``: the gated
     activation (:func:`hookllm.kernels.reference.moe_activation`); ``bias``: per-expert biases on
     both projections (gpt-oss); ``interleaved_gate_up``: stacked checkpoint tensors are gpt-oss's
-    ``[in, out]`` matrices with gate and up columns alternating.
+    ``[in, out]`` matrices with gate and up columns alternating; ``reduce_results=False``: this
+    rank's share is returned unsummed, for a caller that adds more partial sums (a shared expert)
+    before one all-reduce.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
                  softmax_first: bool = True, renormalize: bool = False, activation: str = "silu",
-                 swiglu_limit: float | None = None, bias: bool = False, interleaved_gate_up: bool = False):
+                 swiglu_limit: float | None = None, bias: bool = False, interleaved_gate_up: bool = False,
+                 reduce_results: bool = True):
         super().__init__()
         check_moe_activation(activation, swiglu_limit)
         if not 1 <= top_k <= num_experts:
@@ -89,6 +92,7 @@ class FusedMoE(nn.Module):
         self.softmax_first, self.renormalize = softmax_first, renormalize
         self.activation, self.swiglu_limit = activation, swiglu_limit
         self.interleaved_gate_up = interleaved_gate_up
+        self.reduce_results = reduce_results
         if self.expert_parallel:
             if num_experts % self.tp_size:
                 raise ValueError(f"num_experts={num_experts} is not divisible by the {self.tp_size} expert-parallel ranks")
@@ -118,7 +122,8 @@ class FusedMoE(nn.Module):
     # -- forward ---------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """``hidden_states`` ``[tokens, hidden]``, ``router_logits`` ``[tokens, experts]`` (every
-        expert's, on every rank) -> ``[tokens, hidden]``, all-reduced over ranks."""
+        expert's, on every rank) -> ``[tokens, hidden]``, all-reduced over ranks unless
+        ``reduce_results`` is off."""
         weights, ids = route(router_logits, self.top_k, renormalize=self.renormalize,
                              softmax_first=self.softmax_first)
         if self.expert_parallel:
@@ -130,7 +135,7 @@ class FusedMoE(nn.Module):
             hidden_states, self.gate_up_proj, self.down_proj, weights, ids, activation=self.activation,
             gate_up_bias=self.gate_up_proj_bias, down_bias=self._down_bias(), swiglu_limit=self.swiglu_limit,
             experts_elsewhere=self.expert_parallel)
-        return tensor_model_parallel_all_reduce(out)
+        return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
 
     def _down_bias(self) -> torch.Tensor | None:
         # Split over the intermediate dim, every rank's partial sum would add the bias: rank 0 alone does.

@@ -162,16 +162,23 @@ class QKVParallelLinear(_ShardedLinear):
 class RowParallelLinear(_ShardedLinear):
     """``y = x W^T + b`` with W's input columns split: rank r multiplies its slice of ``x``
     (the sharded output of a column-parallel layer) by its columns, then one all-reduce sums the
-    partial products. The bias is replicated and added once, after the sum."""
+    partial products. The bias is replicated and added once, after the sum.
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    ``reduce_results=False`` leaves the sum to the caller, which adds this partial output to
+    others first and reduces them together (Qwen2-MoE's shared expert joins the experts' sum);
+    the bias is then added by rank 0 alone."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True):
         local = _divide(input_size, get_tp_size(), "input_size")
         super().__init__(local, output_size, output_size if bias else None)
         self.input_size, self.output_size = input_size, output_size
+        self.reduce_results = reduce_results
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
+        if not self.reduce_results:
+            return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         out = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
