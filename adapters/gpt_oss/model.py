@@ -94,8 +94,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     """gpt-oss-20b / -120b and any checkpoint of their config, bf16 or MXFP4: the Llama-family
     decoder with gpt-oss's attention and experts in each layer."""
 
-    supports_tensor_parallel = True
-    supports_expert_parallel = True
+    supports_expert_parallel = True  # tensor parallel as the Llama decoder it extends
 
     def __init__(self, config: Any):
         # Refuse an unknown quantization before anything is allocated.

@@ -74,7 +74,6 @@ class QwenMoeForCausalLM(LlamaForCausalLM):
     """Qwen-MoE decoder: sparse layers chosen by :func:`is_sparse_layer`, experts of
     ``moe_intermediate_size``, top-k weights renormalised iff ``norm_topk_prob``."""
 
-    supports_tensor_parallel = True
     supports_expert_parallel = True  # FusedMoE places whole experts per rank when asked
     has_shared_expert = False
 
@@ -107,7 +106,6 @@ class MixtralForCausalLM(LlamaForCausalLM):
     """Mistral attention (its ``sliding_window`` on every layer when set) and a sparse block on
     every layer: experts of ``intermediate_size``, top-k weights always renormalised."""
 
-    supports_tensor_parallel = True
     supports_expert_parallel = True
 
     def make_mlp(self, config: Any, layer_index: int) -> nn.Module:

@@ -150,8 +150,8 @@ class FusedMoE(nn.Module):
         if param_name.endswith("_bias"):
             return [None]
         kinds = ("gate", "up") if param_name == "gate_up_proj" else ("down",)
-        return [f"{kind}:{e}" for kind in kinds for e in range(self.num_experts)
-                if self._is_local(e)]
+        local = range(self.first_expert, self.first_expert + self.num_local_experts)
+        return [f"{kind}:{e}" for kind in kinds for e in local]
 
     def _is_local(self, expert: int) -> bool:
         return self.first_expert <= expert < self.first_expert + self.num_local_experts
