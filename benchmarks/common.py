@@ -12,6 +12,7 @@ import torch
 
 HBM_BYTES_PER_S = 4.3e12  # H200 HBM3e bandwidth: the physical limit's denominator (benchmarks/README.md)
 BF16_FLOP_PER_S = 790e12  # H200 dense bf16 tensor-core rate: the prefill part of the limit (benchmarks/README.md)
+FP8_FLOP_PER_S = 2 * BF16_FLOP_PER_S  # dense e4m3 rate: 2x bf16, as on the H200 datasheet (1979 vs 989 TFLOP/s)
 
 SHAPES = {
     "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,

@@ -58,8 +58,11 @@ def load(results: Path, pattern: str) -> list[dict]:
 
 
 def workload_a_runs(results: Path) -> list[dict]:
-    """throughput.py runs of workload A (files from before --workload existed are all workload A)."""
-    return [run for run in load(results, "throughput-*.json") if run.get("workload_name", "a") == "a"]
+    """throughput.py runs of workload A in the model dtype (files from before --workload existed are
+    all workload A); FP8 runs (``--quantization``, ``--kv-cache-dtype``) are tabled in
+    docs/performance.md, not charted beside them."""
+    return [run for run in load(results, "throughput-*.json") if run.get("workload_name", "a") == "a"
+            and not run.get("quantization") and run.get("kv_cache_dtype", "auto") == "auto"]
 
 
 def plot_throughput(runs: list[dict], out: Path) -> Path:

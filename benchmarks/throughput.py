@@ -15,6 +15,10 @@ Workload latency: one request alone, a 3,000-token prompt and 256 greedy output 
 (ignore_eos), ``--repeat`` times (default 5); time to first token and time per output token
 from the request's metrics.
 
+``--quantization fp8`` quantizes the linear layers at load (per-channel weights, per-token
+activations) and ``--kv-cache-dtype fp8`` stores K/V in e4m3; the limits then count those bytes
+and the FP8 rate, and the result file's name says so (``-fp8``, ``-kvfp8``).
+
     python benchmarks/throughput.py --shape llama-3.2-1b [--workload a|short|latency] [--repeat N] [--skip-static]
 """
 
@@ -34,7 +38,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, add_out_argument, commit,  # noqa: E402
+from common import (BF16_FLOP_PER_S, FP8_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, add_out_argument, commit,  # noqa: E402
                     config_weight_bytes, device_name, expert_params, has_weights, head_dim,
                     linear_params_per_layer, moe_experts, now, print_engine_table, random_checkpoint, synchronize,
                     write_result)
@@ -77,9 +81,9 @@ def latency_prompt() -> list[int]:
     return [random.randint(0, 10000) for _ in range(LATENCY_PROMPT_TOKENS)]
 
 
-def kv_bytes_per_token(config: dict) -> int:
-    """K and V of every layer in bf16."""
-    return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim(config) * 2
+def kv_bytes_per_token(config: dict, element_bytes: int = 2) -> int:
+    """K and V of every layer, ``element_bytes`` each (2: bf16, 1: an fp8 KV cache)."""
+    return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim(config) * element_bytes
 
 
 def sliding_layers(config: dict) -> int:
@@ -90,10 +94,10 @@ def sliding_layers(config: dict) -> int:
                ["sliding_attention"] * config["num_hidden_layers"])
 
 
-def kv_bytes_read(config: dict, prompts: list[list[int]], max_tokens: list[int]) -> float:
+def kv_bytes_read(config: dict, prompts: list[list[int]], max_tokens: list[int], element_bytes: int = 2) -> float:
     """K/V bytes the decode steps read: a request reads its context at lengths len(p) .. len(p) + n - 1,
     a sliding layer at most its window of it."""
-    per_layer_token = 2 * config["num_key_value_heads"] * head_dim(config) * 2
+    per_layer_token = 2 * config["num_key_value_heads"] * head_dim(config) * element_bytes
     windowed, window = sliding_layers(config), config.get("sliding_window") or 0
     total = 0.0
     for p, n in zip(prompts, max_tokens):
@@ -137,6 +141,22 @@ def step_weight_bytes(config: dict, weight_bytes: int, batch: int) -> float:
     return weight_bytes - all_experts + all_experts * touched / experts
 
 
+def fp8_params_per_layer(config: dict) -> int:
+    """Weights of one decoder layer that ``--quantization fp8`` stores in e4m3: the attention
+    projections and a dense MLP (MoE experts and routers stay bf16)."""
+    if moe_experts(config) is None:
+        return linear_params_per_layer(config)
+    h = config["hidden_size"]
+    q, kv = config["num_attention_heads"] * head_dim(config), config["num_key_value_heads"] * head_dim(config)
+    return h * (q + 2 * kv) + q * h
+
+
+def fp8_weight_bytes(config: dict, weight_bytes: int) -> int:
+    """The bf16 checkpoint's ``weight_bytes`` with the layers' quantized weights at 1 byte each
+    (embeddings, lm_head and norms stay at 2)."""
+    return weight_bytes - config["num_hidden_layers"] * fp8_params_per_layer(config)
+
+
 def prefill_flops(config: dict, prompts: list[list[int]]) -> float:
     """Matmul FLOPs of the prompts' forward passes: 2 x the layers' linear weights per prompt token,
     causal attention (QK^T and PV: 4 x query width per key a query sees, per layer), and one
@@ -148,8 +168,13 @@ def prefill_flops(config: dict, prompts: list[list[int]]) -> float:
             + 2.0 * config["vocab_size"] * config["hidden_size"] * len(prompts))
 
 
+def fp8_prefill_flops(config: dict, prompts: list[list[int]]) -> float:
+    """The part of ``prefill_flops`` in the layers that ``--quantization fp8`` quantizes."""
+    return 2.0 * config["num_hidden_layers"] * fp8_params_per_layer(config) * sum(len(p) for p in prompts)
+
+
 def physical_limit(config: dict, prompts: list[list[int]], max_tokens: list[int], weight_bytes: int,
-                   max_batch: int | None = None) -> dict:
+                   max_batch: int | None = None, quantization: str | None = None, kv_cache_dtype: str = "auto") -> dict:
     """Output tok/s the GPU allows: decode only, and with the prompts' prefill added.
 
     Decode only: every decode step reads the weights once (of an MoE model, the experts its
@@ -157,21 +182,33 @@ def physical_limit(config: dict, prompts: list[list[int]], max_tokens: list[int]
     length (``kv_bytes_read``), at HBM speed; at most ``max_batch`` requests run at once (default: all),
     and prefill is free. With prefill: the prompts' FLOPs (``prefill_flops``) at the dense bf16
     rate are added, not overlapped with decoding.
+
+    ``weight_bytes`` are the bf16 checkpoint's. With ``quantization="fp8"`` the quantized layers'
+    weights count 1 byte each (``fp8_weight_bytes``) and their FLOPs (``fp8_prefill_flops``) run
+    at the dense FP8 rate; with ``kv_cache_dtype="fp8"`` K/V count 1 byte per element.
     """
-    kv_per_token = kv_bytes_per_token(config)
+    checkpoint_bytes = weight_bytes
+    if quantization == "fp8":
+        weight_bytes = fp8_weight_bytes(config, weight_bytes)
+    kv_element = 1 if kv_cache_dtype == "fp8" else 2
+    kv_per_token = kv_bytes_per_token(config, kv_element)
     batches = decode_batches(max_tokens, max_batch or len(max_tokens))
     steps = len(batches)
     step_bytes = {b: step_weight_bytes(config, weight_bytes, b) for b in set(batches)}
     weights_read = sum(step_bytes[b] for b in batches)
-    total = weights_read + kv_bytes_read(config, prompts, max_tokens)
+    total = weights_read + kv_bytes_read(config, prompts, max_tokens, kv_element)
     flops = prefill_flops(config, prompts)
-    decode_s, prefill_s = total / HBM_BYTES_PER_S, flops / BF16_FLOP_PER_S
+    fp8_flops = fp8_prefill_flops(config, prompts) if quantization == "fp8" else 0.0
+    decode_s = total / HBM_BYTES_PER_S
+    prefill_s = (flops - fp8_flops) / BF16_FLOP_PER_S + fp8_flops / FP8_FLOP_PER_S
     return {"output_tok_s": sum(max_tokens) / decode_s,
             "output_tok_s_with_prefill": sum(max_tokens) / (decode_s + prefill_s),
             "weight_bytes": weight_bytes, "weight_bytes_read": weights_read, "kv_bytes_per_token": kv_per_token,
             "decode_steps": steps,
             "max_batch": max_batch, "hbm_bytes_per_s": HBM_BYTES_PER_S, "bytes_read": total,
-            "prefill_flops": flops, "bf16_flop_per_s": BF16_FLOP_PER_S}
+            "prefill_flops": flops, "bf16_flop_per_s": BF16_FLOP_PER_S, "prefill_s": prefill_s,
+            "quantization": quantization, "kv_cache_dtype": kv_cache_dtype, "checkpoint_weight_bytes": checkpoint_bytes,
+            "fp8_prefill_flops": fp8_flops, "fp8_flop_per_s": FP8_FLOP_PER_S}
 
 
 def summarize(name: str, seconds: float, prompts: list[list[int]], max_tokens: list[int]) -> dict:
@@ -197,12 +234,33 @@ def sampling_suffix(args) -> str:
     return "".join(f"-{k}{v}" for k, v in sampling(args).items() if k != "temperature")
 
 
+def precision(args) -> dict:
+    """``--quantization`` and ``--kv-cache-dtype`` as engine options, only those set (a plain run passes neither)."""
+    chosen = {"quantization": getattr(args, "quantization", None)}
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        chosen["kv_cache_dtype"] = args.kv_cache_dtype
+    return {k: v for k, v in chosen.items() if v is not None}
+
+
+def precision_suffix(args) -> str:
+    """``-fp8`` (quantized linear layers) and ``-kvfp8`` (fp8 KV cache), so an FP8 run's result file
+    does not replace the bf16 run's."""
+    chosen = precision(args)
+    return ("-" + chosen["quantization"] if "quantization" in chosen else "") + (
+        "-kv" + chosen["kv_cache_dtype"] if "kv_cache_dtype" in chosen else "")
+
+
 def engine_kwargs(args) -> dict:
     impl = {} if args.model_impl is None else dict(model_impl=args.model_impl)
     if args.tiny:
-        return dict(device="cpu", dtype="float32", **impl)
+        return dict(device="cpu", dtype="float32", **impl, **precision(args))
     dummy = {} if has_weights(checkpoint(args)) else dict(load_format="dummy")  # a config-only shape
-    return dict(max_cuda_graph_tokens=args.max_cuda_graph_tokens, **impl, **dummy)
+    return dict(max_cuda_graph_tokens=args.max_cuda_graph_tokens, **impl, **dummy, **precision(args))
+
+
+def limit_kwargs(args) -> dict:
+    """``physical_limit``'s precision arguments for this run."""
+    return dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def start_llm(path: Path, args, max_model_len: int, enforce_eager: bool = False) -> tuple[object, dict]:
@@ -396,7 +454,8 @@ def run_throughput(path: Path, config: dict, weight_bytes: int, payload: dict, a
     """Workload A or short: hookllm (``--repeat`` calls), workload B, the eager engine and, on A, the peers."""
     prompts, max_tokens = random_workload(args.workload, args.num_requests)
     prompts = [[t % config["vocab_size"] for t in p] for p in prompts]  # --tiny's vocabulary is small
-    limit = physical_limit(config, prompts, max_tokens, weight_bytes, args.max_num_seqs)
+    limit = physical_limit(config, prompts, max_tokens, weight_bytes, args.max_num_seqs, **limit_kwargs(args))
+    bf16 = physical_limit(config, prompts, max_tokens, weight_bytes, args.max_num_seqs)
     with_peers = args.workload == "a" and not args.tiny
     n_peer = args.peer_requests or len(prompts)
     results: dict[str, dict] = {}
@@ -404,10 +463,12 @@ def run_throughput(path: Path, config: dict, weight_bytes: int, payload: dict, a
                    + (f"; peers on the first {n_peer}" if with_peers and n_peer != len(prompts) else ""),
                    results=results, physical_limit_output_tok_s=limit["output_tok_s"],
                    physical_limit_with_prefill_output_tok_s=limit["output_tok_s_with_prefill"],
+                   physical_limit_bf16_output_tok_s=bf16["output_tok_s"],
+                   physical_limit_bf16_with_prefill_output_tok_s=bf16["output_tok_s_with_prefill"],
                    physical_limit_inputs=limit)
     payload.update(sampling=sampling(args), peer_sampling=peer_sampling(args))
     name = (f"throughput-{payload['model']}" + ("" if args.workload == "a" else f"-{args.workload}")
-            + sampling_suffix(args))
+            + sampling_suffix(args) + precision_suffix(args))
 
     def save() -> None:  # after every engine, so a run cut short keeps what it measured
         write_result(name, payload, args.out)
@@ -444,7 +505,12 @@ def run_throughput(path: Path, config: dict, weight_bytes: int, payload: dict, a
     print(f"\n{payload['model']} on {payload['device']} ({payload['commit']}), workload {payload['workload']}")
     print(f"physical limit {limit['output_tok_s']:.0f} tok/s decoding only (steps x weight bytes + KV bytes at "
           f"{HBM_BYTES_PER_S:.2g} B/s), {limit['output_tok_s_with_prefill']:.0f} tok/s with the prompts' "
-          f"{limit['prefill_flops']:.3g} FLOPs at {BF16_FLOP_PER_S:.3g} FLOP/s")
+          f"{limit['prefill_flops']:.3g} FLOPs at {BF16_FLOP_PER_S:.3g} FLOP/s"
+          + (f" ({limit['fp8_prefill_flops']:.3g} of them at {FP8_FLOP_PER_S:.3g})" if limit["fp8_prefill_flops"]
+             else ""))
+    if precision(args):
+        print(f"with {precision_suffix(args)[1:]}: bf16 limit {bf16['output_tok_s']:.0f} tok/s decoding only, "
+              f"{bf16['output_tok_s_with_prefill']:.0f} tok/s with prefill")
     print_engine_table(results, [("out tok/s", "output_tok_s", ".0f"), ("total tok/s", "total_tok_s", ".0f"),
                                  ("req/s", "requests_s", ".2f"), ("wall s", "wall_s", ".1f")])
     print(f"hookllm reaches {ours['output_tok_s'] / limit['output_tok_s']:.1%} of the decode limit and "
@@ -462,21 +528,27 @@ def run_throughput(path: Path, config: dict, weight_bytes: int, payload: dict, a
 def run_latency_workload(path: Path, config: dict, weight_bytes: int, payload: dict, args) -> None:
     """Workload latency: batch-1 TTFT and TPOT beside their limits."""
     prompt = [t % config["vocab_size"] for t in latency_prompt()]
-    limit = physical_limit(config, [prompt], [LATENCY_OUTPUT_TOKENS], weight_bytes)
-    # TTFT: the prompt's FLOPs at the bf16 rate; a decode step: the weights and the request's K/V at HBM speed.
-    limits = {"ttft_ms": 1e3 * limit["prefill_flops"] / BF16_FLOP_PER_S,
-              "tpot_ms": 1e3 * limit["bytes_read"] / limit["decode_steps"] / HBM_BYTES_PER_S}
+    limit = physical_limit(config, [prompt], [LATENCY_OUTPUT_TOKENS], weight_bytes, **limit_kwargs(args))
+    limits, bf16 = latency_limits(limit), latency_limits(physical_limit(config, [prompt], [LATENCY_OUTPUT_TOKENS],
+                                                                         weight_bytes))
     payload.update(workload=f"latency: one request, {LATENCY_PROMPT_TOKENS}-token prompt, {LATENCY_OUTPUT_TOKENS} "
                             f"greedy output tokens, ignore_eos, {args.repeat} calls",
-                   limits=limits, limit_inputs=limit)
+                   limits=limits, limits_bf16=bf16, limit_inputs=limit)
     payload["results"] = row = run_batch1_latency(path, prompt, args)
-    write_result(f"latency-{payload['model']}", payload, args.out)
+    write_result(f"latency-{payload['model']}{precision_suffix(args)}", payload, args.out)
     print(f"\n{payload['model']} on {payload['device']} ({payload['commit']}), {payload['workload']}")
-    print(f"{'':<26}{'measured p50':>14}{'limit':>10}{'share':>8}")
+    print(f"{'':<26}{'measured p50':>14}{'limit':>10}{'share':>8}{'bf16 limit':>12}")
     for key, label in (("ttft_ms", "time to first token"), ("tpot_ms", "time per output token")):
         measured = row[key + "_p50"]
-        print(f"{label + ' ms':<26}{measured:>14.3f}{limits[key]:>10.3f}{limits[key] / measured:>8.1%}")
+        print(f"{label + ' ms':<26}{measured:>14.3f}{limits[key]:>10.3f}{limits[key] / measured:>8.1%}"
+              f"{bf16[key]:>12.3f}")
     print_startup(row["startup"])
+
+
+def latency_limits(limit: dict) -> dict:
+    """TTFT: the prompt's FLOPs at their rates; a decode step: the weights and the request's K/V at HBM speed."""
+    return {"ttft_ms": 1e3 * limit["prefill_s"],
+            "tpot_ms": 1e3 * limit["bytes_read"] / limit["decode_steps"] / HBM_BYTES_PER_S}
 
 
 def print_startup(startup: dict) -> None:
@@ -513,6 +585,10 @@ def main() -> None:
     for name, kind in SAMPLING_OPTIONS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
                             help=f"every request's {name} (default: unset; temperature is 0.6)")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="the engine option: fp8 quantizes the linear layers at load (default: bf16)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="the engine option: fp8 stores K/V in e4m3 (default: auto, the model dtype)")
     add_out_argument(parser)
     args = parser.parse_args()
     args.repeat = args.repeat or (5 if args.workload == "latency" else 1)
@@ -522,7 +598,8 @@ def main() -> None:
     weight_bytes = (sum(f.stat().st_size for f in path.glob("*.safetensors")) if has_weights(path)
                     else config_weight_bytes(config))
     payload = {"device": device_name(), "date": now(), "commit": commit(), "workload_name": args.workload,
-               "model": "tiny" if args.tiny else args.shape, "max_cuda_graph_tokens": args.max_cuda_graph_tokens}
+               "model": "tiny" if args.tiny else args.shape, "max_cuda_graph_tokens": args.max_cuda_graph_tokens,
+               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
     run = run_latency_workload if args.workload == "latency" else run_throughput
     run(path, config, weight_bytes, payload, args)
 

@@ -15,6 +15,7 @@ DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 is e4m3 (vLLM's names)
 PREEMPTION_MODES = ("recompute", "swap")
 # "transformers" is the bundled fallback plugin (hookllm.adapters.transformers; docs/models.md).
 MODEL_IMPLS = ("auto", "native", "transformers")
@@ -87,6 +88,8 @@ class ModelConfig:
     max_model_len: int
     plugin: str | None = None  # the plugin whose registered class serves ``architecture``
     load_format: str = "auto"  # EngineConfig.load_format: "dummy" loads random weights
+    # The hookllm.plugins.quantization.QuantizationMethod serving the checkpoint, if any.
+    quantization: Any = None
 
     @classmethod
     def from_path(cls, path: str, dtype: torch.dtype, max_model_len: int | None) -> "ModelConfig":
@@ -150,6 +153,10 @@ class EngineConfig:
     tensor_parallel_size: int = _option(1, "GPUs (one worker process each) the model's layers are split across")
     enable_expert_parallel: bool = _option(False, "MoE models: each of the tensor_parallel_size ranks holds whole "
                                            "experts (a share of them) instead of a slice of every expert")
+    quantization: str | None = _option(None, "quantization method (default: the checkpoint's quant_method); fp8 on "
+                                       "an unquantized checkpoint quantizes its linear layers at load")
+    kv_cache_dtype: str = _option("auto", "KV-cache dtype: auto (the model dtype) or fp8 (e4m3, with the "
+                                  "checkpoint's per-layer K/V scales, else 1.0)", choices=list(KV_CACHE_DTYPES))
     load_format: str = _option("auto", "auto or safetensors: read the checkpoint; dummy: random weights (benchmarks)",
                                choices=list(LOAD_FORMATS))
     preemption_mode: str = _option("recompute", "a preempted request is recomputed, or swapped: its KV blocks "
@@ -179,6 +186,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         if self.preemption_mode not in PREEMPTION_MODES:

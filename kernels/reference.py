@@ -25,13 +25,20 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int, -1 = do not store (padding)
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write each new token's K and V into its slot of the paged cache, in place."""
+    """Write each new token's K and V into its slot of the paged cache, in place.
+
+    An FP8 cache stores ``to_fp8(key, k_scale)`` and ``to_fp8(value, v_scale)`` (the attention
+    multiplies them back); any other cache dtype stores the values rounded to it, unscaled."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+    for new, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        rows = to_fp8(new[keep], scale) if cache.dtype == FP8_DTYPE else new[keep].to(cache.dtype)
+        # Indexed writes have no float8 kernels: write the bytes.
+        cache.view(torch.uint8).view(num_blocks * block_size, num_kv_heads, -1)[slots] = rows.view(torch.uint8)
 
 
 def paged_attention(
@@ -48,6 +55,8 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads], fp32 or the model dtype
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks and decodes) over the paged cache.
 
@@ -67,6 +76,7 @@ def paged_attention(
     * ``sinks`` (gpt-oss): one logit per query head, ``[num_heads]``, that joins the softmax's
       denominator only: ``probs_k = exp(s_k - m) / (sum_j exp(s_j - m) + exp(sink - m))``,
       ``m`` the maximum over the visible scores and the sink.
+    * An FP8 cache (``store_kv``): keys are ``k_scale * k_cache``, values ``v_scale * v_cache``.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -84,8 +94,8 @@ def paged_attention(
         k, v = _gather_keys(k_cache, v_cache, block_tables[i], first_key, seq_len)
         k_pos = torch.arange(first_key, seq_len, device=query.device)
         q = query[q_start:q_end].float().transpose(0, 1)  # [H, q_len, D]
-        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, keys, D]
-        v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        k = (k.float() * k_scale).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, keys, D]
+        v = (v.float() * v_scale).repeat_interleave(group, dim=1).transpose(0, 1)
         scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q_len, keys]
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
@@ -376,3 +386,52 @@ def fused_moe(
         down = torch.nn.functional.linear(act, w_down[expert], None if down_bias is None else down_bias[expert])
         out.index_add_(0, token, (down * topk_weights[token, slot, None]).to(hidden.dtype))
     return out
+
+
+# FP8 (e4m3): weights and activations as 8-bit floats with float32 scales (hookllm.plugins.fp8).
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+# Smallest dynamic scale: an all-zero group quantizes to zeros instead of dividing by zero.
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` rounded to e4m3, saturating at +-448 (torch's cast alone overflows to NaN)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def expand_groups(scale: torch.Tensor, columns: int) -> torch.Tensor:
+    """``[rows, G]`` group scales -> ``[rows, columns]``: group ``g`` covers columns
+    ``g * ceil(columns / G)`` onwards (the last group may be short)."""
+    group = -(-columns // scale.shape[1])
+    return scale.float().repeat_interleave(group, dim=1)[:, :columns]
+
+
+def quantize_fp8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric quantization of each row of ``x`` ``[M, K]`` in groups of ``group_size``
+    columns (``K``: one scale per row, per-token): ``scale = max(amax / 448, FP8_MIN_SCALE)``
+    per group, ``q = to_fp8(x, scale)``. Returns ``(q [M, K] e4m3, scale [M, ceil(K / group_size)]
+    float32)``."""
+    rows, columns = x.shape
+    groups = -(-columns // group_size)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group_size - columns))
+    amax = padded.view(rows, groups, group_size).abs().amax(dim=2)
+    scale = (amax / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    return to_fp8(x, expand_groups(scale, columns)), scale
+
+
+def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor, b_scale: torch.Tensor,
+                  out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``(a * a_scale) @ (b * b_scale)^T + bias`` in float32, rounded to ``out_dtype``.
+
+    ``a`` ``[M, K]``: e4m3 with ``a_scale`` ``[M, Ga]`` (a stride-0 ``expand`` of one static
+    scale is fine), or the model dtype with ``a_scale=None`` (weight-only). ``b`` ``[N, K]`` e4m3
+    with ``b_scale`` ``[N, Gb]``. A scale's ``G`` columns each cover ``ceil(K / G)`` columns of
+    its operand (see :func:`expand_groups`): ``G = 1`` is per-token / per-output-channel;
+    block-quantized weights and per-group activations share one group size."""
+    columns = a.shape[1]
+    a_full = a.float() if a_scale is None else a.float() * expand_groups(a_scale, columns)
+    out = a_full @ (b.float() * expand_groups(b_scale, columns)).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)

@@ -14,6 +14,8 @@ layout). One attention kernel serves prefill chunks, decodes and mixed batches:
 * The variants (sliding window, logit soft-capping, attention sinks) are constexpr flags: the
   plain kernel is compiled as before, and a model compiles each variant its layers use once.
 * Softmax is online (flash-attention style) in fp32, in base 2 with the scale folded in.
+* An FP8 (e4m3) cache is read as stored and converted in registers; its per-tensor K scale is
+  folded into the scores' scale and its V scale into the output's normalisation.
 * Split-K (flash-decoding): when a decode-only batch has too few (sequence, KV head) pairs
   to fill the GPU, each pair's keys (those in its window) are cut into ``num_splits`` ranges
   handled by separate programs that write partial results; a second kernel merges them and
@@ -46,17 +48,19 @@ MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 # Decided when the kernels below are defined, as triton.jit itself decides it.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+FP8_DTYPE = torch.float8_e4m3fn
+_FP8_MAX = tl.constexpr(448.0)
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    num_kv_heads,
+    num_kv_heads, k_scale, v_scale,
     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kct, stride_kch, stride_kcd,
     stride_vcb, stride_vct, stride_vch, stride_vcd,
-    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -71,6 +75,9 @@ def _store_kv_kernel(
     v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kct + h * stride_kch + d * stride_kcd
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vct + h * stride_vch + d * stride_vcd
+    if FP8:  # the reference's to_fp8: divide, saturate, round
+        k = tl.clamp(k.to(tl.float32) / k_scale, -_FP8_MAX, _FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -_FP8_MAX, _FP8_MAX)
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -81,18 +88,22 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write each new token's K and V into its slot of the paged cache, in place (-1 = skip)."""
+    """Write each new token's K and V into its slot of the paged cache, in place (-1 = skip);
+    an FP8 cache stores them divided by ``k_scale`` / ``v_scale``."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
-        num_kv_heads,
+        num_kv_heads, k_scale, v_scale,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
+        FP8=k_cache.dtype == FP8_DTYPE,
     )
 
 
@@ -183,7 +194,7 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
-    num_seqs, num_heads, qk_scale, cap, window,
+    num_seqs, num_heads, qk_scale, cap, window, v_scale,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -287,7 +298,7 @@ def _paged_attention_kernel(
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=io_mask)
     else:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
         tl.store(
             out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
             out.to(out_ptr.dtype.element_ty), mask=io_mask,
@@ -297,7 +308,7 @@ def _paged_attention_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, sinks_ptr,
-    num_heads, num_splits,
+    num_heads, num_splits, v_scale,
     stride_ot, stride_oh, stride_od,
     SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_SINKS: tl.constexpr,
 ):
@@ -320,7 +331,7 @@ def _merge_splits_kernel(
         denominator = denominator + tl.exp2(sink - m_max)
     offs_d = tl.arange(0, BLOCK_D)
     acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=split_ok[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / denominator
+    out = tl.sum(acc * w[:, None], 0) * (v_scale / denominator)
     tl.store(
         out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
         out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM,
@@ -401,6 +412,8 @@ def paged_attention_with(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """``paged_attention`` with an explicit split count and launch config (tests, tuning)."""
     num_tokens, num_heads, head_dim = query.shape
@@ -428,13 +441,15 @@ def paged_attention_with(
         part_acc = torch.empty((num_tokens, num_heads, num_splits, block_d), dtype=torch.float32, device=query.device)
     else:
         part_m = part_l = part_acc = out  # unused
-    # With a softcap the kernel computes softcap * LOG2E * tanh(dot * scale / softcap).
+    # With a softcap the kernel computes softcap * LOG2E * tanh(dot * scale / softcap). An FP8
+    # cache's scales fold into the scores' scale and the output's: the tiles stay as loaded.
+    scale = scale * k_scale
     qk_scale = scale * LOG2E if softcap is None else scale / softcap
     cap = 0.0 if softcap is None else softcap * LOG2E
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_acc, part_m, part_l,
         block_tables, seq_lens, query_start_loc, None if split else sinks,
-        num_seqs, num_heads, qk_scale, cap, 0 if sliding_window is None else sliding_window,
+        num_seqs, num_heads, qk_scale, cap, 0 if sliding_window is None else sliding_window, v_scale,
         *query.stride(), *out.stride(), *k_cache.stride()[:4], *v_cache.stride()[:4],
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad,
@@ -449,7 +464,7 @@ def paged_attention_with(
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            part_acc, part_m, part_l, out, sinks, num_heads, num_splits, *out.stride(),
+            part_acc, part_m, part_l, out, sinks, num_heads, num_splits, v_scale, *out.stride(),
             SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
             USE_SINKS=sinks is not None,
             num_warps=4 if head_dim >= 128 else 2,
@@ -471,6 +486,8 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks and decodes) over the paged cache,
     optionally with a sliding window, logit soft-capping and attention sinks.
@@ -486,5 +503,5 @@ def paged_attention(
     return paged_attention_with(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         max_query_len, scale, num_splits, config,
-        sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+        sliding_window=sliding_window, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
     )

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from hookllm.worker.model_runner import ModelInputs
     from hookllm.plugins.registry import ModelRegistry, ScopedRegistry
     from hookllm.sched.request import Request
+    from hookllm.plugins.quantization import QuantizationMethod
     from hookllm.plugins.reasoning_parsers import ReasoningParser
     from hookllm.plugins.tool_parsers import ToolParser
 
@@ -45,7 +46,8 @@ MODEL_SCOPED = frozenset(
 # Hooks called on every installed plugin, active or not, once per process: a class plugin
 # implements them as static or class methods (no engine, so no instance, exists yet).
 INSTALLED_WIDE = frozenset({"register_models", "add_cli_options", "claim_request_parameters",
-                            "register_tool_parsers", "register_reasoning_parsers"})
+                            "register_tool_parsers", "register_reasoning_parsers",
+                            "register_quantization_methods"})
 
 
 @hookspec
@@ -305,4 +307,40 @@ def register_reasoning_parsers() -> dict[str, type[ReasoningParser]] | None:
         @hookimpl
         def register_reasoning_parsers():
             return {"thought": ThoughtParser}
+    """
+
+
+@hookspec
+def register_quantization_methods() -> dict[str, type[QuantizationMethod]] | None:
+    """Name the quantization methods this plugin serves: ``{quant_method: QuantizationMethod subclass}``.
+
+    Called on every installed plugin (selected or not). A checkpoint whose
+    ``quantization_config.quant_method`` is NAME, or ``--quantization NAME``, is served by the
+    class registered as NAME (no installed plugin, or two: an error naming the registered
+    ones). A :class:`hookllm.plugins.quantization.QuantizationMethod` is built with the
+    checkpoint's ``quantization_config`` and gives each linear and MoE layer its
+    ``LinearMethod`` / ``MoeMethod``: the parameters the checkpoint holds, how each is sharded
+    across ranks, and the matmul. A weight-only int8 method in a few lines::
+
+        class Int8LinearMethod(LinearMethod):
+            def create_weights(self, layer):
+                rows = layer.weight.shape[0]
+                layer.weight = nn.Parameter(torch.empty_like(layer.weight, dtype=torch.int8), requires_grad=False)
+                layer.weight_scale = nn.Parameter(torch.empty(rows, 1), requires_grad=False)
+
+            def apply(self, layer, x, bias):
+                return F.linear(x, layer.weight.to(x.dtype) * layer.weight_scale.to(x.dtype), bias)
+
+        class Int8Method(QuantizationMethod):
+            name = "int8-weight-only"
+
+            def linear_method(self, prefix, layer):
+                return Int8LinearMethod()
+
+        @hookimpl
+        def register_quantization_methods():
+            return {"int8-weight-only": Int8Method}
+
+    The bundled ``fp8`` plugin serves ``fp8`` and ``compressed-tensors`` FP8 checkpoints (and
+    ``--quantization fp8`` on any other); the ``gpt_oss`` adapter serves ``mxfp4``.
     """

@@ -1,8 +1,8 @@
 """Finding installed plugins (entry-point group ``hookllm.plugins``) and choosing the active set.
 
 Every installed plugin contributes to ``register_models``, ``add_cli_options``,
-``claim_request_parameters`` and the parser registrations (``register_tool_parsers``,
-``register_reasoning_parsers``); the other hooks run only for the active plugins: those the user
+``claim_request_parameters`` and the registrations of named classes (``register_tool_parsers``,
+``register_reasoning_parsers``, ``register_quantization_methods``); the other hooks run only for the active plugins: those the user
 selected, the one that registered the checkpoint's architecture, and the core defaults. A
 plugin that fails to load is kept with its error, so it can be listed and reported when
 selected, and never takes down the others.
@@ -39,8 +39,10 @@ CORE_PLUGIN = "core"
 PLUGIN_FIELDS = ("structured_outputs",)
 _DEFAULT_PARAMS = SamplingParams()
 _NO_DEFAULT = object()  # an extra_args key a plugin names outright: any value needs the plugin
-# The hooks through which plugins name parsers, and what those parsers are called in messages.
-PARSER_HOOKS = {"register_tool_parsers": "tool parser", "register_reasoning_parsers": "reasoning parser"}
+# The hooks through which plugins name classes (parsers, quantization methods), and what those
+# classes are called in messages.
+NAMED_CLASS_HOOKS = {"register_tool_parsers": "tool parser", "register_reasoning_parsers": "reasoning parser",
+                     "register_quantization_methods": "quantization method"}
 
 
 @dataclass
@@ -55,8 +57,8 @@ class PluginInfo:
     parameters: RequestParameters = field(default_factory=RequestParameters)
     # extra_args keys from its add_cli_options dests -> the flag's default (what the CLI sends unasked)
     option_defaults: dict[str, Any] = field(default_factory=dict)
-    # PARSER_HOOKS' hook -> {parser name: parser class}
-    parsers: dict[str, dict[str, type]] = field(default_factory=dict)
+    # NAMED_CLASS_HOOKS' hook -> {name: class}
+    named_classes: dict[str, dict[str, type]] = field(default_factory=dict)
 
 
 def _new_plugin_manager() -> pluggy.PluginManager:
@@ -146,24 +148,24 @@ class PluginManager:
             info.parameters = RequestParameters(*(
                 tuple(dict.fromkeys(name for p in declared for name in getattr(p, part.name)))
                 for part in dataclasses.fields(RequestParameters)))
-            info.parsers = {hook: {name: cls for named in alone(hook)() if named for name, cls in named.items()}
-                            for hook in PARSER_HOOKS}
+            info.named_classes = {hook: {name: cls for named in alone(hook)() if named for name, cls in named.items()}
+                            for hook in NAMED_CLASS_HOOKS}
         self.all_plugins = registrations  # add_cli_options runs on every installed plugin
 
     def loaded(self) -> list[PluginInfo]:
         return [info for info in self.plugins.values() if info.module is not None]
 
-    def parser(self, hook: str, name: str) -> type:
-        """The parser class registered as ``name`` through ``hook`` (a key of ``PARSER_HOOKS``) by
+    def named_class(self, hook: str, name: str) -> type:
+        """The class registered as ``name`` through ``hook`` (a key of ``NAMED_CLASS_HOOKS``) by
         an installed plugin; ``ValueError`` naming the registered ones when none or several do."""
-        owners = [info for info in self.loaded() if name in info.parsers[hook]]
+        owners = [info for info in self.loaded() if name in info.named_classes[hook]]
         if len(owners) == 1:
-            return owners[0].parsers[hook][name]
-        what = PARSER_HOOKS[hook]
+            return owners[0].named_classes[hook][name]
+        what = NAMED_CLASS_HOOKS[hook]
         if owners:
             raise ValueError(f"{what} {name!r} is registered by several plugins: "
                              f"{', '.join(info.name for info in owners)}")
-        known = sorted({parser for info in self.loaded() for parser in info.parsers[hook]})
+        known = sorted({named for info in self.loaded() for named in info.named_classes[hook]})
         raise ValueError(f"no installed plugin provides a {what} named {name!r}; "
                          f"the {what}s: {', '.join(known) or 'none'}")
 

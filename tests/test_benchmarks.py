@@ -82,8 +82,11 @@ def test_physical_limit_reproduces_the_recorded_decode_limits(throughput):
             continue
         if throughput.sliding_layers(throughput.SHAPES[run["model"]]):
             continue  # recorded before the limit capped sliding layers' K/V reads at their window
+        inputs = run["physical_limit_inputs"]
         limit = throughput.physical_limit(throughput.SHAPES[run["model"]], prompts, max_tokens,
-                                          run["physical_limit_inputs"]["weight_bytes"], max_batch=256)
+                                          inputs.get("checkpoint_weight_bytes", inputs["weight_bytes"]), max_batch=256,
+                                          quantization=run.get("quantization"),
+                                          kv_cache_dtype=run.get("kv_cache_dtype", "auto"))
         assert limit["output_tok_s"] == pytest.approx(run["physical_limit_output_tok_s"], rel=1e-9)
         assert limit["output_tok_s_with_prefill"] < limit["output_tok_s"]
         checked += 1
@@ -130,3 +133,34 @@ def test_sampling_options_reach_every_request_and_name_the_result(throughput):
     assert throughput.peer_sampling(args) == {"temperature": 0.6, "top_p": 0.9, "top_k": 50}
     assert throughput.sampling_suffix(args) == "-top_p0.9-top_k50-presence_penalty0.5"
     assert throughput.sampling_suffix(Namespace()) == ""
+
+
+def test_fp8_limit_counts_linear_weights_and_kv_at_one_byte(throughput):
+    config = throughput.SHAPES["llama-3.1-8b"]
+    h, layers, inter, vocab = 4096, 32, 14336, 128256
+    linear = layers * (h * (4096 + 2 * 1024) + 4096 * h + 3 * h * inter)  # q, k, v, o, gate, up, down
+    rest = 2 * vocab * h + (2 * layers + 1) * h  # embeddings and lm_head (untied), norms
+    bf16 = 2 * (linear + rest)
+    assert bf16 == throughput.config_weight_bytes(config)  # every parameter of the model in bf16
+    prompts, max_tokens = [[0] * 100], [10]
+    plain = throughput.physical_limit(config, prompts, max_tokens, bf16)
+    fp8 = throughput.physical_limit(config, prompts, max_tokens, bf16, quantization="fp8", kv_cache_dtype="fp8")
+    assert fp8["weight_bytes"] == linear * 1 + rest * 2 and plain["weight_bytes"] == bf16
+    assert fp8["kv_bytes_per_token"] * 2 == plain["kv_bytes_per_token"] == layers * 2 * 8 * 128 * 2
+    assert fp8["bytes_read"] == 10 * (linear + 2 * rest) + throughput.kv_bytes_read(config, prompts, max_tokens, 1)
+    # Prefill: the linear layers' FLOPs at the FP8 rate, attention and lm_head at the bf16 rate.
+    linear_flops = 2.0 * linear * 100
+    assert fp8["prefill_s"] == pytest.approx((plain["prefill_flops"] - linear_flops) / throughput.BF16_FLOP_PER_S
+                                             + linear_flops / throughput.FP8_FLOP_PER_S)
+    assert fp8["output_tok_s"] > plain["output_tok_s"]
+
+
+def test_fp8_runs_name_their_result_files_and_pass_only_the_options_set(throughput):
+    from argparse import Namespace
+
+    assert throughput.precision(Namespace(quantization=None, kv_cache_dtype="auto")) == {}
+    assert throughput.precision_suffix(Namespace(quantization=None, kv_cache_dtype="auto")) == ""
+    both = Namespace(quantization="fp8", kv_cache_dtype="fp8")
+    assert throughput.precision(both) == {"quantization": "fp8", "kv_cache_dtype": "fp8"}
+    assert throughput.precision_suffix(both) == "-fp8-kvfp8"
+    assert throughput.precision_suffix(Namespace(quantization=None, kv_cache_dtype="fp8")) == "-kvfp8"

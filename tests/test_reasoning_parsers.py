@@ -65,7 +65,7 @@ def test_reasoning_streams_as_it_comes():
 
 def test_the_bundled_reasoning_parsers_are_installed():
     manager = installed_plugins()
-    assert manager.parser("register_reasoning_parsers", "qwen3") is Qwen3ReasoningParser
-    assert manager.parser("register_reasoning_parsers", "deepseek_r1") is DeepSeekR1ReasoningParser
+    assert manager.named_class("register_reasoning_parsers", "qwen3") is Qwen3ReasoningParser
+    assert manager.named_class("register_reasoning_parsers", "deepseek_r1") is DeepSeekR1ReasoningParser
     with pytest.raises(ValueError, match="no installed plugin provides a reasoning parser named 'o1'"):
-        manager.parser("register_reasoning_parsers", "o1")
+        manager.named_class("register_reasoning_parsers", "o1")

@@ -42,3 +42,28 @@ def test_answers_that_paris_is_the_capital_of_france(smollm2):
     out = llm.chat([{"role": "user", "content": QUESTIONS[0]}], SamplingParams(max_tokens=32, temperature=0))[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # ended at <|im_end|>, before max_tokens
+
+
+# Mean absolute difference of the prompt logprobs (nats: each prompt token's log-probability given
+# the tokens before it) allowed against fp32; measured 2026-12-01: see docs/quantization.md.
+FP8_TOLERANCES = {"fp8 weights": 0.45, "fp8 KV cache": 0.2, "fp8 weights and KV cache": 0.5}
+
+
+@pytest.mark.parametrize("name, options", [("fp8 weights", dict(quantization="fp8")),
+                                           ("fp8 KV cache", dict(kv_cache_dtype="fp8")),
+                                           ("fp8 weights and KV cache", dict(quantization="fp8", kv_cache_dtype="fp8"))])
+def test_smollm2_quantized_to_fp8_stays_near_fp32(smollm2, name, options):
+    _, reference = smollm2
+    llm = LLM(str(default_model_dir()), dtype="float32", device="cpu", **options)
+    prompt = list(llm.tokenizer.apply_chat_template([{"role": "user", "content": " ".join(QUESTIONS)}],
+                                                    add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"])
+    import torch
+
+    with torch.inference_mode():
+        ours = testing.prompt_logits(llm, prompt).log_softmax(-1)
+        theirs = reference(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    next_tokens = torch.tensor(prompt[1:])[:, None]
+    distance = float((ours[:-1].gather(1, next_tokens) - theirs[:-1].gather(1, next_tokens)).abs().mean())
+    print(f"{name}: {distance:.4f}")
+    assert 0 < distance < FP8_TOLERANCES[name]

@@ -164,20 +164,20 @@ class CallTagPlugin:
 
 def test_a_plugin_parser_is_found_by_name_without_selecting_the_plugin():
     manager = PluginManager({"calltag": PluginInfo("calltag", CallTagPlugin)})
-    assert manager.parser("register_tool_parsers", "calltag") is CallTagParser
+    assert manager.named_class("register_tool_parsers", "calltag") is CallTagParser
     assert_parses(CallTagParser, 'Sure. <call>get_time {"zone": "CET"}</call>', "Sure.", [TIME_CALL])
 
 
 def test_the_bundled_parsers_are_installed_and_an_unknown_or_doubled_name_is_refused():
-    assert installed_plugins().parser("register_tool_parsers", "hermes") is HermesToolParser
-    assert installed_plugins().parser("register_tool_parsers", "llama3_json") is Llama3JsonToolParser
+    assert installed_plugins().named_class("register_tool_parsers", "hermes") is HermesToolParser
+    assert installed_plugins().named_class("register_tool_parsers", "llama3_json") is Llama3JsonToolParser
     with pytest.raises(ValueError, match="no installed plugin provides a tool parser named 'nope'; "
                                          "the tool parsers: .*hermes, llama3_json"):
-        installed_plugins().parser("register_tool_parsers", "nope")
+        installed_plugins().named_class("register_tool_parsers", "nope")
     twin = type("Twin", (CallTagPlugin,), {})
     manager = PluginManager({"a": PluginInfo("a", CallTagPlugin), "b": PluginInfo("b", twin)})
     with pytest.raises(ValueError, match="'calltag' is registered by several plugins: a, b"):
-        manager.parser("register_tool_parsers", "calltag")
+        manager.named_class("register_tool_parsers", "calltag")
 
 
 def test_arguments_are_json_text():

@@ -7,3 +7,10 @@ from hookllm import hookimpl
 @hookimpl
 def register_models(registry):
     registry.register("GptOssForCausalLM", "hookllm.adapters.gpt_oss.model:GptOssForCausalLM")
+
+
+@hookimpl
+def register_quantization_methods():
+    from hookllm.adapters.gpt_oss.mxfp4 import Mxfp4Method
+
+    return {"mxfp4": Mxfp4Method}

@@ -13,13 +13,12 @@ each rank keeps the sinks of its own heads.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hookllm.adapters.gpt_oss.mxfp4 import check_quantization, dequantized_weights
 from hookllm.adapters.llama.model import LlamaForCausalLM
 from hookllm.kernels.reference import SWIGLU_OAI_ALPHA
 from hookllm.layers import Attention, QKVParallelLinear, RowParallelLinear
@@ -97,8 +96,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
     supports_expert_parallel = True  # tensor parallel as the Llama decoder it extends
 
     def __init__(self, config: Any):
-        # Refuse an unknown quantization before anything is allocated.
-        self.quant_method = check_quantization(config)
         alpha = getattr(config, "swiglu_alpha", SWIGLU_OAI_ALPHA)
         if alpha != SWIGLU_OAI_ALPHA:
             raise ValueError(f"swiglu_alpha={alpha}: hookllm's MoE kernels implement gpt-oss's {SWIGLU_OAI_ALPHA} only")
@@ -122,10 +119,3 @@ class GptOssForCausalLM(LlamaForCausalLM):
             shapes[f"{prefix}.down_proj"] = (experts, hidden, inter)
         return shapes
 
-    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
-        """bf16 (or any float) tensors, whole or as lazy slices; MXFP4 expert pairs are
-        dequantized on the experts' device first, whole (every rank), then sliced as bf16 ones."""
-        if self.quant_method == "mxfp4":
-            experts = self.model.layers[0].mlp.experts.gate_up_proj
-            weights = dequantized_weights(weights, self.mxfp4_shapes(), experts.dtype, experts.device)
-        super().load_weights(weights)

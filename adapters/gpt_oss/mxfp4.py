@@ -8,6 +8,7 @@ exponent per block, scale ``2 ** (s - 127)``). ``rows`` are the output features 
 for ``gate_up_proj``, gate and up alternating; ``hidden`` for ``down_proj``), ``cols`` the inputs.
 Biases are stored unquantized.
 
+:class:`Mxfp4Method` serves them on the quantization contract (hookllm.plugins.quantization).
 hookllm has no FP4 matmul: :func:`dequantize_experts` turns each pair back into the bf16
 checkpoint's tensor (``[experts, cols, rows]``, i.e. transposed), which
 :class:`hookllm.layers.fused_moe.FusedMoE`'s stacked loader then slices for this rank. Every
@@ -20,35 +21,17 @@ from __future__ import annotations
 from typing import Any, Iterable, Iterator
 
 import torch
+from torch import nn
 
 from hookllm.layers.linear import LoadedWeight, loaded_shape, materialize
+from hookllm.plugins.quantization import QuantizationMethod
 
 # e2m1: sign bit, 2 exponent bits, 1 mantissa bit; code 8 is -0.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 32  # values sharing one scale
 E8M0_BIAS = 127
 SUFFIXES = ("_blocks", "_scales")
-SUPPORTED_METHODS = ("mxfp4",)
 CHUNK_VALUES = 1 << 24  # dequantized values per step (bounds the temporaries, see dequantize_mxfp4)
-
-
-def quant_method(hf_config: Any) -> str | None:
-    """The checkpoint's ``quantization_config.quant_method`` (None for an unquantized one)."""
-    quantization = getattr(hf_config, "quantization_config", None)
-    if not quantization:
-        return None
-    if isinstance(quantization, dict):
-        return quantization.get("quant_method", "unknown")
-    return str(getattr(quantization, "quant_method", type(quantization).__name__))
-
-
-def check_quantization(hf_config: Any) -> str | None:
-    """The quantization this adapter will undo, or ``ValueError`` naming one it cannot."""
-    method = quant_method(hf_config)
-    if method is not None and method not in SUPPORTED_METHODS:
-        raise ValueError(f"gpt-oss checkpoint quantized with quant_method={method!r}: the native gpt-oss "
-                         f"adapter loads bf16 checkpoints and {', '.join(SUPPORTED_METHODS)} ones only")
-    return method
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
@@ -124,3 +107,24 @@ def dequantized_weights(weights: Iterable[tuple[str, LoadedWeight]], shapes: dic
         lonely = ", ".join(f"{base}{next(iter(halves))} (no {base}{next(s for s in SUFFIXES if s not in halves)})"
                            for base, halves in sorted(pending.items()))
         raise ValueError(f"incomplete MXFP4 tensors: {lonely}")
+
+
+class Mxfp4Method(QuantizationMethod):
+    """``quant_method: mxfp4`` (the hub's gpt-oss checkpoints), served on the quantization
+    contract: each expert pair is dequantized as it streams past, so the layers load bf16
+    tensors; nothing else is quantized."""
+
+    name = "mxfp4"
+
+    def __init__(self, quantization_config: dict[str, Any], model_config: Any):
+        super().__init__(quantization_config, model_config)
+        if model_config.architecture != "GptOssForCausalLM":
+            raise ValueError(f"mxfp4 is served for gpt-oss's experts only, not {model_config.architecture}")
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, LoadedWeight]],
+                           model: nn.Module) -> Iterator[tuple[str, LoadedWeight]]:
+        experts = model.model.layers[0].mlp.experts.gate_up_proj
+        return dequantized_weights(weights, model.mxfp4_shapes(), experts.dtype, experts.device)
+
+    def describe(self) -> str:
+        return "mxfp4 experts dequantized to the model dtype at load (no FP4 matmul)"

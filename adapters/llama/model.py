@@ -138,6 +138,7 @@ class LlamaForCausalLM(nn.Module):
     # Opt-in checked by hookllm.distributed.check_tensor_parallel: built from the parallel
     # layers, and load_weights accepts lazy safetensors slices.
     supports_tensor_parallel = True
+    supports_quantization = True  # its parallel linear (and MoE) layers take a quantization method
     qkv_bias = False
     qk_norm = False
 

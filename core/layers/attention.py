@@ -38,6 +38,10 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         # Whose block tables and slot mapping it reads (hookllm.worker.kv_cache_groups).
         self.kv_cache_group = 0
+        # An FP8 cache holds K / k_scale and V / v_scale: the checkpoint's scales, else 1.0
+        # (set at load by the quantization method; python floats, so no step reads a tensor).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,10 +54,11 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         group = self.kv_cache_group
-        ctx.backend.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping[group])
+        ctx.backend.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping[group], self.k_scale, self.v_scale)
         out = ctx.backend.paged_attention(
             q, self.k_cache, self.v_cache, ctx.block_tables[group], ctx.seq_lens, ctx.query_start_loc,
             ctx.max_query_len, ctx.max_seq_len, self.scale,
             sliding_window=self.sliding_window, softcap=self.softcap, sinks=sinks,
+            k_scale=self.k_scale, v_scale=self.v_scale,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)

@@ -6,6 +6,13 @@ checkpoint tensor, or a lazy safetensors slice (``safe_open(...).get_slice(name)
 only this rank's rows or columns, so a rank never reads the other ranks' shards from disk.
 With one rank they are plain matmuls: no collective, no extra copy.
 
+Every layer describes its shard once (``_out_range`` / ``_in_range``: which checkpoint rows and
+columns it holds) and one ``weight_loader`` copies any parameter from that: the weight, the
+bias, and a quantization method's scales, whose :class:`ParamLayout` says how their dims follow
+the weight's (a block-quantized checkpoint's scale has a row per block of rows). A quantization
+method (:mod:`hookllm.plugins.quantization`) replaces the parameters and sets ``quant_method``,
+whose ``apply`` then does the layer's matmul.
+
 - `ColumnParallelLinear`: output dim split; no communication (the next layer consumes the shard).
 - `MergedColumnParallelLinear`: several projections stacked on the output dim (gate/up), each split.
 - `QKVParallelLinear`: q/k/v split by heads; KV heads replicated when there are fewer than ranks.
@@ -14,13 +21,18 @@ With one rank they are plain matmuls: no collective, no extra copy.
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hookllm.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+
+if TYPE_CHECKING:
+    from hookllm.plugins.quantization import LinearMethod
 
 # A checkpoint tensor or a lazy safetensors slice (anything with get_shape() and [slices]).
 LoadedWeight = Any
@@ -55,9 +67,41 @@ def _divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
+@dataclass(frozen=True)
+class ParamLayout:
+    """How a parameter of a linear layer lines up with its weight ``[out, in]``.
+
+    ``dims``: what each of the parameter's leading dims follows, ``"out"`` (rows) or ``"in"``
+    (columns); later dims are copied whole. The checkpoint's tensor has ``ceil(size / block)``
+    entries along a dim of block ``out_block`` / ``in_block``: an ``"out"`` dim is expanded to one
+    entry per row (so fused shards need not align to blocks), an ``"in"`` dim keeps its blocks
+    (a rank's columns must start on one). ``scalar_fill``: a one-element checkpoint tensor fills
+    the shard's rows (a per-tensor scale of q, k or v in a fused layer's per-row scales).
+    ``reduce_max``: the parameter keeps the largest value loaded into it (one static activation
+    scale for the q, k and v shards)."""
+
+    dims: tuple[str, ...] = ("out", "in")
+    out_block: int = 1
+    in_block: int = 1
+    scalar_fill: bool = False
+    reduce_max: bool = False
+
+
+WEIGHT_LAYOUT = ParamLayout()
+VECTOR_LAYOUT = ParamLayout(("out",))
+
+
+def _blocks(start: int, size: int, block: int) -> tuple[int, int]:
+    """The range of blocks of ``block`` entries covering ``start:start+size``."""
+    return start // block, -(-(start + size) // block) - start // block
+
+
 class _ShardedLinear(nn.Module):
     """Parameters ``weight`` [out, in] and optional ``bias`` [bias_size], left uninitialised
-    (the loader or the dummy initialiser fills them), and the rank they belong to."""
+    (the loader or the dummy initialiser fills them), and the rank they belong to.
+
+    Subclasses say which checkpoint rows a shard holds (``_out_range``) and which columns
+    (``_in_range``); one loader serves every parameter from that."""
 
     def __init__(self, local_in: int, local_out: int, bias_size: int | None):
         super().__init__()
@@ -67,13 +111,59 @@ class _ShardedLinear(nn.Module):
             self.register_parameter("bias", None)
         else:
             self.bias = nn.Parameter(torch.empty(bias_size), requires_grad=False)
+        self.quant_method: LinearMethod | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
-    def extra_repr(self) -> str:
-        out, inp = self.weight.shape
-        return f"local in={inp}, out={out}, bias={self.bias is not None}, tp_rank={self.tp_rank}/{self.tp_size}"
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T + bias`` on this rank's shard, through the quantization method if any."""
+        if self.quant_method is None:
+            return F.linear(x, self.weight, bias)
+        return self.quant_method.apply(self, x, bias)
+
+    def _out_range(self, shard: str | None) -> tuple[int, int, int, int]:
+        """(first local row, first checkpoint row, rows, checkpoint rows of the shard's tensor)."""
+        raise NotImplementedError
+
+    def _in_range(self) -> tuple[int, int, int]:
+        """(first checkpoint column, columns, checkpoint columns)."""
+        return 0, self.weight.shape[1], self.weight.shape[1]
+
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard: str | None = None) -> None:
+        """Copy this rank's part of checkpoint tensor ``loaded`` (shard ``shard`` of a fused
+        layer) into ``param``, as the parameter's ``param_layout`` (default: the weight's, or a
+        vector's) lines it up with the weight."""
+        layout = getattr(param, "param_layout", WEIGHT_LAYOUT if param.dim() > 1 else VECTOR_LAYOUT)
+        what = type(self).__name__ + ("" if shard is None else f" shard {shard!r}")
+        local_row, row, rows, total_rows = self._out_range(shard)
+        col, cols, total_cols = self._in_range()
+        if layout.scalar_fill and math.prod(loaded_shape(loaded)) == 1:
+            value = materialize(loaded).reshape(())
+            param.data.narrow(0, local_row, rows).copy_(value)
+            return
+        full = tuple(-(-total_rows // layout.out_block) if d == "out" else -(-total_cols // layout.in_block)
+                     for d in layout.dims) + tuple(param.shape[len(layout.dims):])
+        check_loaded_shape(loaded, full, what)
+        part = loaded
+        for dim, kind in enumerate(layout.dims):
+            if kind == "in" and cols != total_cols:
+                if col % layout.in_block:
+                    raise ValueError(f"{what}: this rank's columns start at {col}, inside a quantization "
+                                     f"block of {layout.in_block}")
+                part = narrow_loaded(part, dim, *_blocks(col, cols, layout.in_block))
+            elif kind == "out" and (rows != total_rows or layout.out_block > 1):
+                first, count = _blocks(row, rows, layout.out_block)
+                part = narrow_loaded(part, dim, first, count)
+                if layout.out_block > 1:
+                    offset = row - first * layout.out_block
+                    part = part.repeat_interleave(layout.out_block, dim=dim).narrow(dim, offset, rows)
+        part = materialize(part)
+        target = param.data.narrow(0, local_row, rows) if "out" in layout.dims else param.data
+        if layout.reduce_max:
+            torch.maximum(target, part.to(target.dtype).reshape(target.shape), out=target)
+        else:
+            target.copy_(part)
 
 
 class ColumnParallelLinear(_ShardedLinear):
@@ -85,11 +175,9 @@ class ColumnParallelLinear(_ShardedLinear):
         super().__init__(input_size, local, local if bias else None)
         self.input_size, self.output_size = input_size, output_size
 
-    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
-        full = (self.output_size,) + tuple(param.shape[1:])
-        check_loaded_shape(loaded, full, type(self).__name__)
-        local = param.shape[0]
-        param.data.copy_(narrow_loaded(loaded, 0, self.tp_rank * local, local))
+    def _out_range(self, shard: str | None) -> tuple[int, int, int, int]:
+        local = self.weight.shape[0]
+        return 0, self.tp_rank * local, local, self.output_size
 
 
 class MergedColumnParallelLinear(_ShardedLinear):
@@ -107,11 +195,9 @@ class MergedColumnParallelLinear(_ShardedLinear):
             start += local
         super().__init__(input_size, start, start if bias else None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard: str) -> None:
+    def _out_range(self, shard: str | None) -> tuple[int, int, int, int]:
         start, size = self.shard_offsets[shard]
-        full = (self.output_sizes[shard],) + tuple(param.shape[1:])
-        check_loaded_shape(loaded, full, f"{type(self).__name__} shard {shard!r}")
-        param.data.narrow(0, start, size).copy_(narrow_loaded(loaded, 0, self.tp_rank * size, size))
+        return start, self.tp_rank * size, size, self.output_sizes[shard]
 
 
 class QKVParallelLinear(_ShardedLinear):
@@ -150,13 +236,10 @@ class QKVParallelLinear(_ShardedLinear):
             return self.tp_rank * self.num_kv_heads
         return self.tp_rank * self.total_num_kv_heads // self.tp_size
 
-    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard: str) -> None:
+    def _out_range(self, shard: str | None) -> tuple[int, int, int, int]:
         start, size = self.shard_offsets[shard]
         total_heads = self.total_num_heads if shard == "q" else self.total_num_kv_heads
-        full = (total_heads * self.head_dim,) + tuple(param.shape[1:])
-        check_loaded_shape(loaded, full, f"{type(self).__name__} shard {shard!r}")
-        rows = narrow_loaded(loaded, 0, self._first_head(shard) * self.head_dim, size)
-        param.data.narrow(0, start, size).copy_(rows)
+        return start, self._first_head(shard) * self.head_dim, size, total_heads * self.head_dim
 
 
 class RowParallelLinear(_ShardedLinear):
@@ -176,17 +259,15 @@ class RowParallelLinear(_ShardedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return self.matmul(x, self.bias)
         if not self.reduce_results:
-            return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias if self.tp_rank == 0 else None)
+        out = tensor_model_parallel_all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias
 
-    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
-        if param is self.bias:
-            check_loaded_shape(loaded, (self.output_size,), f"{type(self).__name__} bias")
-            param.data.copy_(materialize(loaded))
-            return
-        check_loaded_shape(loaded, (self.output_size, self.input_size), type(self).__name__)
-        local = param.shape[1]
-        param.data.copy_(narrow_loaded(loaded, 1, self.tp_rank * local, local))
+    def _out_range(self, shard: str | None) -> tuple[int, int, int, int]:
+        return 0, 0, self.output_size, self.output_size
+
+    def _in_range(self) -> tuple[int, int, int]:
+        local = self.weight.shape[1]
+        return self.tp_rank * local, local, self.input_size

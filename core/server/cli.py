@@ -79,7 +79,7 @@ def _parser_name(hook: str) -> Any:
         from hookllm.server.reply_parsing import installed_plugins
 
         try:
-            installed_plugins().parser(hook, name)
+            installed_plugins().named_class(hook, name)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         return name

@@ -25,12 +25,12 @@ def installed_plugins() -> PluginManager:
 
 def tool_parser_class(name: str) -> type[ToolParser]:
     """The tool parser an installed plugin registers as ``name`` (``ValueError`` naming those there are)."""
-    return installed_plugins().parser("register_tool_parsers", name)
+    return installed_plugins().named_class("register_tool_parsers", name)
 
 
 def reasoning_parser_class(name: str) -> type[ReasoningParser]:
     """The reasoning parser an installed plugin registers as ``name`` (``ValueError`` naming those there are)."""
-    return installed_plugins().parser("register_reasoning_parsers", name)
+    return installed_plugins().named_class("register_reasoning_parsers", name)
 
 
 class ReplyParser:

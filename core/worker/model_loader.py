@@ -21,6 +21,7 @@ from torch import nn
 from hookllm.config import LOAD_FORMATS
 from hookllm.layers.linear import LoadedWeight, loaded_shape, materialize
 from hookllm.layers.norm import RMSNorm
+from hookllm.plugins.quantization import QuantizationMethod, finish_loading
 
 DUMMY_STD = 0.02
 
@@ -97,25 +98,34 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, std: float = DUMMY
                 param.fill_(1.0 if name.endswith("weight") else 0.0)
                 continue
             generator = torch.Generator(param.device).manual_seed(seed + zlib.crc32(name.encode()))
-            param.normal_(0.0, std, generator=generator)
+            if param.dtype.itemsize == 1:  # quantized (no random kernels): drawn in float32
+                param.copy_(torch.empty(param.shape, device=param.device).normal_(0.0, std, generator=generator))
+            else:
+                param.normal_(0.0, std, generator=generator)
 
 
-def load_checkpoint(model: nn.Module, model_dir: str | Path, load_format: str = "auto") -> None:
+def load_checkpoint(model: nn.Module, model_dir: str | Path, load_format: str = "auto",
+                    quantization: QuantizationMethod | None = None) -> None:
     """Load ``model``'s weights the way ``load_format`` says.
 
     ``"auto"`` / ``"safetensors"``: ``model.load_weights`` gets lazy slices
     (`iterate_weight_slices`) when the class sets ``supports_tensor_parallel = True`` (its
     loader must accept them, as `load_weights_into` does), else whole tensors
-    (`iterate_weights`). ``"dummy"``: `initialize_dummy_weights`, no file is opened.
+    (`iterate_weights`); through ``quantization.checkpoint_tensors`` when the model is
+    quantized. ``"dummy"``: `initialize_dummy_weights`, no file is opened. Quantized layers then
+    finish their weights (``process_weights_after_loading``).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     if load_format == "dummy":
         initialize_dummy_weights(model)
-    elif getattr(model, "supports_tensor_parallel", False):
-        model.load_weights(iterate_weight_slices(model_dir))
     else:
-        model.load_weights(iterate_weights(model_dir))
+        lazy = getattr(model, "supports_tensor_parallel", False)
+        weights = iterate_weight_slices(model_dir) if lazy else iterate_weights(model_dir)
+        if quantization is not None:
+            weights = quantization.checkpoint_tensors(weights, model)
+        model.load_weights(weights)
+    finish_loading(model)
 
 
 def load_weights_into(

@@ -19,17 +19,24 @@ from hookllm.worker.cuda_graph import CudaGraphRunner
 from hookllm.distributed import check_tensor_parallel, set_expert_parallel
 from hookllm.forward_context import AttentionMetadata, set_forward_context
 from hookllm.kernels import get_attention_backend, resolve_attention_backend
+from hookllm.kernels.reference import FP8_DTYPE
 from hookllm.layers.attention import Attention
 from hookllm.worker import default_hooks
 from hookllm.worker.kv_cache_groups import group_layers
 from hookllm.worker.model_runner import ModelRunner, StepOutput
 from hookllm.plugins.context import EngineContext
 from hookllm.plugins.manager import ActiveHooks, PluginManager
+from hookllm.plugins.quantization import quantized_by, resolve_quantization
 from hookllm.plugins.registry import ModelRegistry
 from hookllm.sched.output import SchedulerOutput
 from hookllm.worker.warmup import warm_up
 
 logger = logging.getLogger(__name__)
+
+
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """A cache tensor's bytes, for block copies: index kernels have no float8 variants."""
+    return cache.view(torch.uint8)
 
 
 def resolve_model(config: EngineConfig, plugin_manager: PluginManager) -> tuple[ModelConfig, ActiveHooks]:
@@ -48,6 +55,11 @@ def resolve_model(config: EngineConfig, plugin_manager: PluginManager) -> tuple[
     if config.tensor_parallel_size > 1:
         check_tensor_parallel(model_cls, model_config.hf_config,
                               config.tensor_parallel_size, torch.cuda.device_count() if device.type == "cuda" else None)
+    model_config.quantization = resolve_quantization(
+        model_config, config.quantization, lambda name: plugin_manager.named_class("register_quantization_methods", name))
+    if model_config.quantization is not None and not getattr(model_cls, "supports_quantization", False):
+        raise ValueError(f"quantization {model_config.quantization.name!r}: {model_config.architecture} served by "
+                         f"{owner!r} has no quantizable layers (the native adapters' linear and MoE layers are)")
     if config.enable_expert_parallel and not getattr(model_cls, "supports_expert_parallel", False):
         raise ValueError(f"enable_expert_parallel: {model_config.architecture} served by {owner!r} has no "
                          "expert-parallel MoE layers (the native MoE adapters do)")
@@ -84,6 +96,9 @@ class Worker:
         if not isinstance(model, nn.Module):
             raise TypeError(f"{hooks.overriding_plugins('load_model')}: load_model must return "
                             f"a torch.nn.Module, got {type(model).__name__}")
+        if quantized_by(model) is not model_config.quantization:
+            raise ValueError(f"{hooks.overriding_plugins('load_model')}: load_model returned a model not built "
+                             f"for quantization {model_config.quantization.name!r} (see quantize_model)")
         self.model = model
         if self.uses_cuda_graphs and config.torch_compile and getattr(model, "supports_torch_compile", False):
             model.use_torch_compile()  # compiled by the CUDA-graph warm-up below, before any request
@@ -97,6 +112,11 @@ class Worker:
         for group, layers in enumerate(self.kv_cache_groups.layers):
             for index in layers:
                 self.attention_layers[index].kv_cache_group = group
+        self.kv_cache_dtype = FP8_DTYPE if config.kv_cache_dtype.startswith("fp8") else self.dtype
+        if self.kv_cache_dtype != FP8_DTYPE:
+            # A checkpoint's KV scales are for an FP8 cache; this one holds K and V as computed.
+            for layer in self.attention_layers:
+                layer.k_scale = layer.v_scale = 1.0
         phase("load_model")
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory()
         self._allocate_kv_cache(self.num_kv_blocks)
@@ -150,7 +170,7 @@ class Worker:
     def block_bytes(self) -> int:
         """Bytes of one KV block summed over the cache slots (K and V): one group's layers."""
         per_token = sum(2 * a.num_kv_heads * a.head_dim for a in self.slot_layers)
-        return per_token * self.config.block_size * torch.empty(0, dtype=self.dtype).element_size()
+        return per_token * self.config.block_size * self.kv_cache_dtype.itemsize
 
     def _blocks_from_memory(self) -> int:
         """CPU: ``cpu_kv_cache_bytes``. CUDA: this engine may use ``gpu_memory_utilization`` of
@@ -206,7 +226,7 @@ class Worker:
     def _cache_tensors(self, num_blocks: int, **placement: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One K and one V tensor per cache slot, [num_blocks, block_size, num_kv_heads, head_dim]."""
         return [tuple(torch.empty((num_blocks, self.config.block_size, layer.num_kv_heads, layer.head_dim),
-                                  dtype=self.dtype, **placement) for _ in range(2))
+                                  dtype=self.kv_cache_dtype, **placement) for _ in range(2))
                 for layer in self.slot_layers]
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
@@ -239,7 +259,7 @@ class Worker:
         batched index copy per tensor (queued on the device before the step that writes them)."""
         pairs = torch.tensor(copies, dtype=torch.long).to(self.device, non_blocking=True)
         for slot in self.kv_caches:
-            for cache in slot:
+            for cache in map(_bytes, slot):
                 cache.index_copy_(0, pairs[:, 1], cache.index_select(0, pairs[:, 0]))
 
     @torch.inference_mode()
@@ -250,7 +270,7 @@ class Worker:
         device_ids, host_ids = torch.tensor(pairs, dtype=torch.long).T
         device_ids = device_ids.to(self.device)
         for slot, host in zip(self.kv_caches, self.host_caches):
-            for cache, host_cache in zip(slot, host):
+            for cache, host_cache in zip(map(_bytes, slot), map(_bytes, host)):
                 host_cache.index_copy_(0, host_ids, cache.index_select(0, device_ids).cpu())
 
     @torch.inference_mode()
@@ -260,7 +280,7 @@ class Worker:
         host_ids, device_ids = torch.tensor(pairs, dtype=torch.long).T
         device_ids = device_ids.to(self.device)
         for slot, host in zip(self.kv_caches, self.host_caches):
-            for cache, host_cache in zip(slot, host):
+            for cache, host_cache in zip(map(_bytes, slot), map(_bytes, host)):
                 cache.index_copy_(0, device_ids, host_cache.index_select(0, host_ids).to(self.device))
 
     def shutdown(self) -> None:
