@@ -65,13 +65,14 @@ class MatmulConfig:
     num_stages: int
 
 
-# (most rows, config), smallest first.
+# (most rows, config), smallest first: the best of a sweep on an H200 over the Llama-3.1-8B
+# layers (benchmarks/fp8.py --sweep); past CUBLAS_FROM_ROWS cuBLASLt is faster (scaled_matmul).
 _CONFIGS_BY_ROWS = (
-    (16, MatmulConfig(16, 64, 128, 4, 5)),
-    (64, MatmulConfig(64, 64, 128, 4, 4)),
-    (128, MatmulConfig(64, 128, 128, 4, 4)),
-    (float("inf"), MatmulConfig(128, 128, 128, 8, 3)),
+    (16, MatmulConfig(16, 32, 128, 4, 5)),
+    (64, MatmulConfig(64, 64, 128, 4, 5)),
+    (float("inf"), MatmulConfig(128, 64, 128, 8, 4)),
 )
+CUBLAS_FROM_ROWS = 65
 
 
 def default_config(rows: int) -> MatmulConfig:
@@ -167,11 +168,12 @@ def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor
                   out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``(a * a_scale) @ (b * b_scale)^T + bias``: see :func:`hookllm.kernels.reference.scaled_matmul`.
 
-    W8A8 with one scale per row and per output channel runs on cuBLASLt (``torch._scaled_mm``):
-    on the H200 it beat this module's kernel at every row count from 64 up (benchmarks/fp8.py,
-    docs/performance.md); group scales and weight-only run the Triton kernel."""
-    if a_scale is not None and b_scale.shape[1] == 1 and a_scale.shape[1] == 1 and b.shape[0] % 16 == 0 == b.shape[1] % 16 \
-            and (bias is None or bias.dtype == out_dtype):
+    W8A8 with one scale per row and per output channel, from ``CUBLAS_FROM_ROWS`` rows on, runs on
+    cuBLASLt (``torch._scaled_mm``), which beat this module's kernel there on the H200 while the
+    kernel beat it below (benchmarks/fp8.py, docs/performance.md); group scales and weight-only
+    always run the Triton kernel."""
+    if a_scale is not None and a.shape[0] >= CUBLAS_FROM_ROWS and b_scale.shape[1] == 1 == a_scale.shape[1] \
+            and b.shape[0] % 16 == 0 == b.shape[1] % 16 and (bias is None or bias.dtype == out_dtype):
         return torch._scaled_mm(a, b.t(), scale_a=a_scale.contiguous(), scale_b=b_scale.reshape(1, -1),
                                 bias=bias, out_dtype=out_dtype)
     return scaled_matmul_with(a, a_scale, b, b_scale, out_dtype, bias, default_config(a.shape[0]))

@@ -327,6 +327,7 @@ def register_quantization_methods() -> dict[str, type[QuantizationMethod]] | Non
                 rows = layer.weight.shape[0]
                 layer.weight = nn.Parameter(torch.empty_like(layer.weight, dtype=torch.int8), requires_grad=False)
                 layer.weight_scale = nn.Parameter(torch.empty(rows, 1), requires_grad=False)
+                layer.weight_scale.param_layout = ParamLayout(("out",))  # sharded with the weight's rows
 
             def apply(self, layer, x, bias):
                 return F.linear(x, layer.weight.to(x.dtype) * layer.weight_scale.to(x.dtype), bias)

@@ -153,12 +153,22 @@ def model_of(llm: LLM) -> torch.nn.Module:
 
 
 def logprob_distance(llm: LLM, reference: Any) -> float:
-    """Mean absolute difference of the prompt logprobs, every position and vocabulary entry."""
+    """Mean absolute difference of the prompt logprobs from transformers' ``reference``, every
+    position and vocabulary entry."""
+    return _distance(llm, lambda prompt: reference(torch.tensor([prompt])).logits[0])
+
+
+def logprob_distance_between(llm: LLM, other: LLM) -> float:
+    """The same between two engines."""
+    return _distance(llm, lambda prompt: testing.prompt_logits(other, prompt))
+
+
+def _distance(llm: LLM, reference_logits: Any) -> float:
     diffs = []
     with torch.inference_mode():
         for prompt in PROMPTS:
             ours = testing.prompt_logits(llm, prompt).log_softmax(-1)
-            theirs = reference(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+            theirs = reference_logits(prompt).float().cpu().log_softmax(-1)
             diffs.append((ours - theirs).abs().mean())
     return float(torch.stack(diffs).mean())
 

@@ -78,13 +78,19 @@ def test_fp8_cache_attention_equals_reference():
     assert float((got.float() - want).norm() / want.norm()) < 1e-2
 
 
-def test_engine_with_fp8_weights_and_cache_answers_as_on_the_cpu(tmp_path):
-    """CUDA graphs, Triton kernels and bf16 against the CPU's torch references in float32, both
-    with FP8 weights and an FP8 cache: most greedy tokens agree."""
+def test_engine_with_fp8_weights_and_cache_computes_what_the_cpu_reference_does(tmp_path):
+    """CUDA graphs and Triton kernels against the CPU's torch references, both in float32 with FP8
+    weights and an FP8 cache: the GPU's prompt logprobs lie within half of FP8's own effect (the
+    CPU's FP8 engine against its unquantized one) from the CPU's FP8 engine. (This random model
+    amplifies every rounding difference: in bf16 the GPU's distance is bf16's own, 0.06 nats
+    unquantized, multiplied by the activations' e4m3 rounding flips; measured in
+    docs/quantization.md.)"""
+    from test_fp8 import logprob_distance_between
+
     path = testing.build_tiny_checkpoint(testing.tiny_llama_config(hidden_size=256, intermediate_size=512), tmp_path)
-    prompts = [{"prompt_token_ids": p} for p in testing.random_prompts(8, 320, min_len=10, max_len=60, seed=1)]
     options = dict(quantization="fp8", kv_cache_dtype="fp8", num_kv_blocks=256)
-    cpu = LLM(str(path), device="cpu", dtype="float32", **options).generate(prompts, testing.greedy(8), use_tqdm=False)
-    gpu = LLM(str(path), **options).generate(prompts, testing.greedy(8), use_tqdm=False)
-    same = sum(a.outputs[0].token_ids[:4] == b.outputs[0].token_ids[:4] for a, b in zip(cpu, gpu))
-    assert same >= 6
+    cpu = LLM(str(path), device="cpu", dtype="float32", **options)
+    cpu_fp32 = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=256)
+    gpu = LLM(str(path), dtype="float32", **options)
+    fp8_effect = logprob_distance_between(cpu, cpu_fp32)
+    assert logprob_distance_between(gpu, cpu) < 0.5 * fp8_effect
