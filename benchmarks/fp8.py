@@ -7,8 +7,8 @@ at M rows of random bf16 activations. Timed (median of ``triton.testing.do_bench
 the L2 cache between calls, of the call captured in a CUDA graph, as the engine replays a step):
 
 * ``bf16``: ``torch.nn.functional.linear``;
-* ``w8a8``: Triton ``quantize_fp8(x, K)`` (per-token scales) + ``scaled_matmul``, as the engine's
-  ``--quantization fp8`` runs a layer;
+* ``w8a8``: Triton ``quantize_fp8(x, K)`` (per-token scales) + the Triton GEMM (``scaled_matmul_with``
+  at ``default_config``; the engine's ``scaled_matmul`` uses it below 65 rows, cuBLASLt from 65);
 * ``torch``: the same quantization + ``torch._scaled_mm`` with row-wise scales (cuBLASLt); an error
   is recorded, not raised, where torch refuses the shape;
 * ``weight_only``: Triton ``scaled_matmul`` of bf16 activations by the e4m3 weights.
@@ -71,9 +71,11 @@ class Layer:
 
     def calls(self, x: torch.Tensor) -> dict:
         """Each kernel's call on ``x``, as a function of nothing."""
-        def w8a8():
+        config = triton_fp8.default_config(len(x))
+
+        def w8a8():  # the Triton kernel at every row count (scaled_matmul hands large ones to cuBLASLt)
             q, s = triton_fp8.quantize_fp8(x, self.k)
-            return triton_fp8.scaled_matmul(q, s, self.wq, self.ws, torch.bfloat16)
+            return triton_fp8.scaled_matmul_with(q, s, self.wq, self.ws, torch.bfloat16, None, config)
 
         def scaled_mm():
             q, s = triton_fp8.quantize_fp8(x, self.k)
@@ -89,7 +91,8 @@ class Layer:
         errors = {}
         for name, a, a_scale in (("w8a8", q, s), ("weight_only", x, None)):
             ref = reference.scaled_matmul(a, a_scale, self.wq, self.ws, torch.float32)
-            out = triton_fp8.scaled_matmul(a, a_scale, self.wq, self.ws, torch.bfloat16).float()
+            out = triton_fp8.scaled_matmul_with(a, a_scale, self.wq, self.ws, torch.bfloat16, None,
+                                                triton_fp8.default_config(rows)).float()
             errors[name] = float((out - ref).abs().max() / ref.abs().max())
         return errors
 
