@@ -214,8 +214,9 @@ def test_attention_layer_passes_its_variants_and_the_sinks_to_the_backend():
     q, kv = torch.zeros(3, 4 * 8), torch.zeros(3, 2 * 8)
     sinks = torch.ones(4)
     windowed = Attention(4, 8, 0.5, 2, sliding_window=128, softcap=30.0)
+    windowed.k_scale, windowed.v_scale = 0.5, 0.25  # an FP8 cache's per-layer scales
     with set_forward_context(metadata):
         Attention(4, 8, 0.5, 2)(q, kv, kv)
         windowed(q, kv, kv, sinks=sinks)
-    assert calls[0] == dict(sliding_window=None, softcap=None, sinks=None)
-    assert calls[1] == dict(sliding_window=128, softcap=30.0, sinks=sinks)
+    assert calls[0] == dict(sliding_window=None, softcap=None, sinks=None, k_scale=1.0, v_scale=1.0)
+    assert calls[1] == dict(sliding_window=128, softcap=30.0, sinks=sinks, k_scale=0.5, v_scale=0.25)
