@@ -3,8 +3,8 @@
 ``get_attention_backend(name)`` returns a module-like object with ``store_kv`` and
 ``paged_attention``: ``"torch"`` is :mod:`hookllm.kernels.reference`, ``"triton"`` the Triton
 kernels, and ``"auto"`` picks Triton on CUDA and torch elsewhere. ``ops_for(tensor)`` returns
-the module with ``rms_norm``, ``apply_rotary``, ``silu_and_mul``, ``sample_with_hashed_noise``
-and ``apply_token_bitmask`` for that tensor's device: the Triton kernels on CUDA, their torch
+the module with ``rms_norm``, ``apply_rotary``, ``silu_and_mul``, ``sample_with_hashed_noise``,
+``apply_token_bitmask`` and the FP8 ``quantize_fp8`` / ``scaled_matmul`` for that tensor's device: the Triton kernels on CUDA, their torch
 references elsewhere. :mod:`hookllm.kernels.triton_moe` holds the mixture-of-experts kernels
 (``fused_moe``; its ``route`` and ``moe_align`` are the reference's, torch on every device), twins
 of the reference's functions of those names.
@@ -64,9 +64,9 @@ def compiled_triton_variants() -> int:
     add none. 0 under the Triton interpreter, which compiles nothing."""
     from triton.runtime.jit import JITFunction
 
-    from hookllm.kernels import triton_attention, triton_moe, triton_ops
+    from hookllm.kernels import triton_attention, triton_fp8, triton_moe, triton_ops
 
-    kernels = [fn for module in (triton_attention, triton_ops, triton_moe) for fn in vars(module).values()
+    kernels = [fn for module in (triton_attention, triton_ops, triton_moe, triton_fp8) for fn in vars(module).values()
                if isinstance(fn, JITFunction)]
     # device_caches: per device, (kernel cache by specialization key, ...).
     return sum(len(caches[0]) for fn in kernels for caches in fn.device_caches.values())

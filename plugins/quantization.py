@@ -60,11 +60,8 @@ class MoeMethod:
         """Replace ``gate_up_proj`` / ``down_proj`` (and add scales) with the checkpoint's."""
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
-        """Called once every tensor is loaded."""
-
-    def fused_moe_arguments(self, layer: FusedMoE) -> dict[str, Any]:
-        """Extra keyword arguments of the fused MoE kernel (the weights' scales)."""
-        return {}
+        """Called once every tensor is loaded (the fused MoE kernels then read the layer's
+        ``gate_up_proj`` and ``down_proj`` in the model dtype: no FP8 expert kernels yet)."""
 
 
 class QuantizationMethod:

@@ -16,6 +16,8 @@ import transformers
 from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from hookllm.plugins.quantization import checkpoint_quant_method
+
 # Layer kinds (config ``layer_types``) the paged kernels serve; the others say why not.
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding")
@@ -100,9 +102,8 @@ def check_config(config: Any, name: str) -> None:
         if rope.get("rope_type", rope.get("type")) in BATCH_DEPENDENT_ROPE:
             raise Unsupported(f"{name} uses {rope.get('rope_type', rope.get('type'))!r} RoPE scaling, whose "
                               "transformers code depends on the batch's longest sequence")
-    quantization = getattr(config, "quantization_config", None)
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else type(quantization).__name__
+    method, _ = checkpoint_quant_method(config)
+    if method is not None:
         raise Unsupported(f"{name} is a quantized checkpoint ({method}); the transformers backend loads "
                           "unquantized safetensors only")
 

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from hookllm.kernels import ops_for
 from hookllm.kernels.reference import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, to_fp8
 from hookllm.layers.attention import Attention
 from hookllm.layers.linear import VECTOR_LAYOUT, LoadedWeight, ParamLayout, _ShardedLinear, materialize
@@ -49,16 +50,6 @@ def numeric_path(device: torch.device, scheme: Fp8Scheme) -> str:
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         return "weight-only"
     return "w8a8"
-
-
-def _ops(x: torch.Tensor) -> Any:
-    if x.is_cuda:
-        from hookllm.kernels import triton_fp8
-
-        return triton_fp8
-    from hookllm.kernels import reference
-
-    return reference
 
 
 class Fp8LinearMethod(LinearMethod):
@@ -98,7 +89,7 @@ class Fp8LinearMethod(LinearMethod):
         layer.register_parameter(self.scheme.scale_name, nn.Parameter(scale, requires_grad=False))
 
     def apply(self, layer: _ShardedLinear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ops = _ops(x)
+        ops = ops_for(x)
         rows = x.reshape(-1, x.shape[-1])
         weight_scale = getattr(layer, self.scheme.scale_name)
         if self.path == "weight-only":
