@@ -367,12 +367,17 @@ def fused_moe(
     down_bias: torch.Tensor | None = None,  # [experts, hidden]
     swiglu_limit: float | None = None,
     experts_elsewhere: bool = False,  # ids may be ``experts`` (absent); the Triton twin then zeroes first
+    gate_up_scale: torch.Tensor | None = None,  # [experts, 2 * inter, groups] float32: e4m3 weights
+    down_scale: torch.Tensor | None = None,  # [experts, hidden, groups] float32
 ) -> torch.Tensor:
     """The experts' output ``[tokens, hidden]``: for each token, the sum over its ``top_k``
     experts ``e`` of ``weight * down_e(act(gate_e(x), up_e(x)))`` (see ``moe_activation``),
     biases added to each projection's output. Matmuls run in the input dtype, as transformers'
     expert loop does; the weighted sum is accumulated in the input dtype too. A pair whose id is
-    ``experts`` (absent: see ``moe_align``) adds nothing."""
+    ``experts`` (absent: see ``moe_align``) adds nothing.
+
+    With scales the weights are e4m3 and each projection is the weight-only
+    :func:`scaled_matmul` of its expert (scales per output row and group of input columns)."""
     check_moe_activation(activation, swiglu_limit)
     inter = w_down.shape[2]
     out = torch.zeros_like(hidden)
@@ -380,12 +385,19 @@ def fused_moe(
         token, slot = torch.where(topk_ids == expert)
         if token.numel() == 0:
             continue
-        gate_up = torch.nn.functional.linear(hidden[token], w_gate_up[expert],
-                                             None if gate_up_bias is None else gate_up_bias[expert])
+        gate_up = _expert_linear(hidden[token], w_gate_up, gate_up_scale, gate_up_bias, expert)
         act = moe_activation(gate_up[:, :inter], gate_up[:, inter:], activation, swiglu_limit)
-        down = torch.nn.functional.linear(act, w_down[expert], None if down_bias is None else down_bias[expert])
+        down = _expert_linear(act, w_down, down_scale, down_bias, expert)
         out.index_add_(0, token, (down * topk_weights[token, slot, None]).to(hidden.dtype))
     return out
+
+
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                   expert: int) -> torch.Tensor:
+    bias = None if bias is None else bias[expert]
+    if scale is None:
+        return torch.nn.functional.linear(x, weight[expert], bias)
+    return scaled_matmul(x, None, weight[expert], scale[expert], x.dtype, bias)
 
 
 # FP8 (e4m3): weights and activations as 8-bit floats with float32 scales (hookllm.plugins.fp8).

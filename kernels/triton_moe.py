@@ -14,12 +14,17 @@ routing, instead of the reference's two matmuls per expert:
    intermediate ``[pairs, inter]``;
 2. down: intermediate rows times the expert's down tile, plus bias, times the pair's routing
    weight, written to ``[pairs, hidden]``; each token's ``top_k`` rows are then summed.
+
+e4m3 expert weights (weight-only FP8, ``gate_up_scale`` / ``down_scale``) are converted tile by
+tile in registers; one scale per output row multiplies the accumulator after the K loop, group
+scales (block-quantized checkpoints, ``BLOCK_K`` dividing the group) each K step's product.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -81,11 +86,18 @@ def _block_rows(sorted_ids_ptr, expert_of_block_ptr, top_k, pairs, BLOCK_M: tl.c
 
 
 @triton.jit
+def _row_scale(scale_ptr, cols, is_col, group, stride_sn, stride_sg):
+    """One expert's weight scales of output rows ``cols`` in K group ``group``, ``[1, BLOCK_N]``."""
+    return tl.load(scale_ptr + cols * stride_sn + group * stride_sg, mask=is_col, other=0.0)[None, :]
+
+
+@triton.jit
 def _rows_times_weight(a_ptr, a_rows, is_row, a_stride, w_ptr, w_stride_n, w_stride_k, cols, is_col, K,
+                       s_ptr, stride_sn, stride_sg, W_SCALED: tl.constexpr, GROUP_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``a[a_rows] @ w[cols].T`` over ``K``, fp32 ``[BLOCK_M, BLOCK_N]``; ``w`` is one expert's
-    weight, rows are output columns (``nn.Linear``'s layout)."""
+    weight, rows are output columns (``nn.Linear``'s layout); W_SCALED: times its scales ``s``."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -93,22 +105,29 @@ def _rows_times_weight(a_ptr, a_rows, is_row, a_stride, w_ptr, w_stride_n, w_str
         a = tl.load(a_ptr + a_rows[:, None] * a_stride + ks[None, :], mask=is_row[:, None] & in_k[None, :], other=0.0)
         w = tl.load(w_ptr + cols[None, :] * w_stride_n + ks[:, None] * w_stride_k,
                     mask=is_col[None, :] & in_k[:, None], other=0.0)
-        acc += tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        part = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        if W_SCALED and GROUP_K > 0:
+            part *= _row_scale(s_ptr, cols, is_col, k0 // GROUP_K, stride_sn, stride_sg)
+        acc += part
+    if W_SCALED and GROUP_K == 0:
+        acc *= _row_scale(s_ptr, cols, is_col, 0, stride_sn, stride_sg)
     return acc
 
 
 @triton.jit
 def _gate_up_kernel(hidden_ptr, w_ptr, bias_ptr, out_ptr, sorted_ids_ptr, expert_of_block_ptr, num_padded_ptr,
                     top_k, pairs, hidden_size, inter, hidden_stride, w_stride_e, w_stride_n, w_stride_k,
-                    bias_stride_e, swiglu_limit, SWIGLU_OAI: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    bias_stride_e, swiglu_limit, s_ptr, stride_se, stride_sn, stride_sg,
+                    SWIGLU_OAI: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    W_SCALED: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     if tl.program_id(0) * BLOCK_M >= tl.load(num_padded_ptr):
         return  # the grid is sized for the worst-case padding; this block holds none
     pair, token, is_pair, expert = _block_rows(sorted_ids_ptr, expert_of_block_ptr, top_k, pairs, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     is_col = cols < inter
     w = w_ptr + expert * w_stride_e
+    s = s_ptr + expert * stride_se
     # One pass over K: each tile of the gathered rows is loaded once for both the gate and up dots.
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -120,8 +139,16 @@ def _gate_up_kernel(hidden_ptr, w_ptr, bias_ptr, out_ptr, sorted_ids_ptr, expert
         w_mask = is_col[None, :] & in_k[:, None]
         w_gate = tl.load(w + cols[None, :] * w_stride_n + ks[:, None] * w_stride_k, mask=w_mask, other=0.0)
         w_up = tl.load(w + (inter + cols)[None, :] * w_stride_n + ks[:, None] * w_stride_k, mask=w_mask, other=0.0)
-        gate += tl.dot(a, w_gate.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        up += tl.dot(a, w_up.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        gate_part = tl.dot(a, w_gate.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        up_part = tl.dot(a, w_up.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        if W_SCALED and GROUP_K > 0:
+            gate_part *= _row_scale(s, cols, is_col, k0 // GROUP_K, stride_sn, stride_sg)
+            up_part *= _row_scale(s, inter + cols, is_col, k0 // GROUP_K, stride_sn, stride_sg)
+        gate += gate_part
+        up += up_part
+    if W_SCALED and GROUP_K == 0:
+        gate *= _row_scale(s, cols, is_col, 0, stride_sn, stride_sg)
+        up *= _row_scale(s, inter + cols, is_col, 0, stride_sn, stride_sg)
     if HAS_BIAS:
         bias = bias_ptr + expert * bias_stride_e
         gate += tl.load(bias + cols, mask=is_col, other=0.0).to(tl.float32)[None, :]
@@ -140,20 +167,33 @@ def _gate_up_kernel(hidden_ptr, w_ptr, bias_ptr, out_ptr, sorted_ids_ptr, expert
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, bias_ptr, weights_ptr, out_ptr, sorted_ids_ptr, expert_of_block_ptr, num_padded_ptr,
                  top_k, pairs, hidden_size, inter, w_stride_e, w_stride_n, w_stride_k, bias_stride_e,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 s_ptr, stride_se, stride_sn, stride_sg, HAS_BIAS: tl.constexpr,
+                 W_SCALED: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     if tl.program_id(0) * BLOCK_M >= tl.load(num_padded_ptr):
         return  # the grid is sized for the worst-case padding; this block holds none
     pair, _, is_pair, expert = _block_rows(sorted_ids_ptr, expert_of_block_ptr, top_k, pairs, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     is_col = cols < hidden_size
     out = _rows_times_weight(act_ptr, pair, is_pair, inter, w_ptr + expert * w_stride_e, w_stride_n, w_stride_k,
-                             cols, is_col, inter, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
+                             cols, is_col, inter, s_ptr + expert * stride_se, stride_sn, stride_sg, W_SCALED, GROUP_K,
+                             BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
     if HAS_BIAS:
         out += tl.load(bias_ptr + expert * bias_stride_e + cols, mask=is_col, other=0.0).to(tl.float32)[None, :]
     out *= tl.load(weights_ptr + pair, mask=is_pair, other=0.0)[:, None]
     tl.store(out_ptr + pair[:, None] * hidden_size + cols[None, :], out.to(out_ptr.dtype.element_ty),
              mask=is_pair[:, None] & is_col[None, :])
+
+
+def _scale_args(scale: torch.Tensor | None, columns: int, block_k: int,
+                placeholder: torch.Tensor) -> tuple[tuple, dict[str, Any]]:
+    """A projection's scale pointer and strides, and its ``W_SCALED`` / ``GROUP_K`` flags."""
+    if scale is None:
+        return (placeholder, 0, 0, 0), dict(W_SCALED=False, GROUP_K=0)
+    group_k = 0 if scale.shape[2] == 1 else triton.cdiv(columns, scale.shape[2])
+    if group_k % block_k:
+        raise ValueError(f"expert weight scale groups of {group_k} columns are not whole steps of {block_k}")
+    return (scale, *scale.stride()), dict(W_SCALED=True, GROUP_K=group_k)
 
 
 def fused_moe(
@@ -168,11 +208,13 @@ def fused_moe(
     down_bias: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
     experts_elsewhere: bool = False,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reference's ``fused_moe`` with the block sizes of ``default_config``."""
     return fused_moe_with(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation=activation,
                           gate_up_bias=gate_up_bias, down_bias=down_bias, swiglu_limit=swiglu_limit,
-                          experts_elsewhere=experts_elsewhere,
+                          experts_elsewhere=experts_elsewhere, gate_up_scale=gate_up_scale, down_scale=down_scale,
                           config=default_config(hidden.shape[0], topk_ids.shape[1], w_down.shape[0],
                                                 hidden.element_size()))
 
@@ -189,6 +231,8 @@ def fused_moe_with(
     down_bias: torch.Tensor | None,  # [experts, hidden], rows contiguous
     swiglu_limit: float | None,
     experts_elsewhere: bool = False,
+    gate_up_scale: torch.Tensor | None = None,  # [experts, 2 * inter, groups] float32: e4m3 weights
+    down_scale: torch.Tensor | None = None,  # [experts, hidden, groups] float32
     config: MoeConfig,
 ) -> torch.Tensor:
     """``fused_moe`` with explicit block sizes."""
@@ -205,19 +249,26 @@ def fused_moe_with(
     dots = dict(DOT_DTYPE=_dot_dtype(hidden.dtype),
                 DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
                 num_warps=config.num_warps, num_stages=config.num_stages)
-    blocks_mnk = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k)
+    block_k = config.block_k
+    for scale, columns in ((gate_up_scale, hidden_size), (down_scale, inter)):
+        if scale is not None and scale.shape[2] > 1:
+            block_k = min(block_k, triton.cdiv(columns, scale.shape[2]))
+    blocks_mnk = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k)
+    gate_up_scale_args, gate_up_flags = _scale_args(gate_up_scale, hidden_size, block_k, hidden)
+    down_scale_args, down_flags = _scale_args(down_scale, inter, block_k, hidden)
     act = torch.empty((pairs, inter), dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(blocks, triton.cdiv(inter, config.block_n))](
         hidden, w_gate_up, hidden if gate_up_bias is None else gate_up_bias, act, sorted_ids, expert_of_block,
         num_padded, top_k, pairs, hidden_size, inter, hidden.stride(0), *w_gate_up.stride(),
         0 if gate_up_bias is None else gate_up_bias.stride(0), 0.0 if swiglu_limit is None else swiglu_limit,
-        SWIGLU_OAI=activation == "swiglu_oai", HAS_LIMIT=swiglu_limit is not None,
-        HAS_BIAS=gate_up_bias is not None, **blocks_mnk, **dots)
+        *gate_up_scale_args, SWIGLU_OAI=activation == "swiglu_oai", HAS_LIMIT=swiglu_limit is not None,
+        HAS_BIAS=gate_up_bias is not None, **gate_up_flags, **blocks_mnk, **dots)
     # Rows of absent pairs (id == experts, see moe_align) are never written: they must read as 0.
     down = (torch.zeros if experts_elsewhere else torch.empty)((pairs, hidden_size), dtype=hidden.dtype,
                                                                device=hidden.device)
     _down_kernel[(blocks, triton.cdiv(hidden_size, config.block_n))](
         act, w_down, hidden if down_bias is None else down_bias, topk_weights.float().contiguous(), down,
         sorted_ids, expert_of_block, num_padded, top_k, pairs, hidden_size, inter, *w_down.stride(),
-        0 if down_bias is None else down_bias.stride(0), HAS_BIAS=down_bias is not None, **blocks_mnk, **dots)
+        0 if down_bias is None else down_bias.stride(0), *down_scale_args,
+        HAS_BIAS=down_bias is not None, **down_flags, **blocks_mnk, **dots)
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)

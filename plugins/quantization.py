@@ -57,11 +57,14 @@ class MoeMethod:
     """One :class:`hookllm.layers.FusedMoE`'s quantized experts."""
 
     def create_weights(self, layer: FusedMoE) -> None:
-        """Replace ``gate_up_proj`` / ``down_proj`` (and add scales) with the checkpoint's."""
+        """Replace ``gate_up_proj`` / ``down_proj`` (and set the scale parameters) with the
+        checkpoint's, local shapes; a scale's ``param_layout`` says how the checkpoint holds it
+        (per tensor, row, or block: see ``FusedMoE._load_expert_scale``)."""
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
-        """Called once every tensor is loaded (the fused MoE kernels then read the layer's
-        ``gate_up_proj`` and ``down_proj`` in the model dtype: no FP8 expert kernels yet)."""
+        """Called once every tensor is loaded. The fused MoE kernels then read the layer's
+        ``gate_up_proj`` / ``down_proj`` in the model dtype, or as e4m3 with float32 scales
+        ``gate_up_proj_scale`` / ``down_proj_scale`` ``[experts, rows, column groups]``."""
 
 
 class QuantizationMethod:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import Qwen3MoeConfig
 
 from hookllm import LLM, SamplingParams, testing
 from hookllm.kernels.reference import FP8_MAX, FP8_MIN_SCALE
@@ -133,7 +134,28 @@ def checkpoints(tmp_path_factory) -> dict[str, Any]:
         made["ct-tensor-static-tensors"][f"{attention}.v_scale"] = torch.tensor(0.03)
     save(made["ct-tensor-static-tensors"], json.loads((made["ct-tensor-static"] / "config.json").read_text()),
          made["ct-tensor-static"])
+    add_moe_checkpoints(made, root)
     return made
+
+
+def add_moe_checkpoints(made: dict[str, Any], root: Path) -> None:
+    """A tiny Qwen3-MoE (experts' gate/up ``[128, 64]``, down ``[64, 128]``) and its Hugging Face
+    ``fp8`` checkpoint with only the experts quantized, in blocks, beside their dequantized values."""
+    config = Qwen3MoeConfig(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=128, norm_topk_prob=True, bos_token_id=0, eos_token_id=1)
+    plain = made["moe-plain"] = testing.build_tiny_checkpoint(config, root / "moe-plain")
+    tensors = made["moe-tensors"] = load_file(str(plain / "model.safetensors"))
+    packed, values = dict(tensors), dict(tensors)
+    for key in (k for k in tensors if ".experts." in k):
+        packed[key], packed[key + "_scale_inv"] = quantize_blocks(tensors[key], *BLOCK)
+        values[key] = dequantize_blocks(packed[key], packed[key + "_scale_inv"], *BLOCK)
+    config_json = json.loads((plain / "config.json").read_text())
+    quantization = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK),
+                    "modules_to_not_convert": ["lm_head", "self_attn"]}
+    made["moe-block"] = save(packed, {**config_json, "quantization_config": quantization}, root / "moe-block")
+    made["moe-block-values"] = save(values, config_json, root / "moe-block-values")
+    made["moe-block-tensors"] = packed
 
 
 def compressed_tensors_config(weights: str, activations: dict | None, kv: bool = False) -> dict:
@@ -241,13 +263,14 @@ def test_fp8_kv_cache_survives_swapping_and_prefix_reuse(checkpoints):
     assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
 
 
-def test_two_ranks_answer_as_one_from_a_block_checkpoint(checkpoints, one_thread_per_rank):
+@pytest.mark.parametrize("name", ["hf-block", "moe-block"])
+def test_two_ranks_answer_as_one_from_a_block_checkpoint(checkpoints, one_thread_per_rank, name):
     """Each rank reads its rows (and block rows) of q/k/v and gate/up, and its block columns of
-    o and down; per-group activation scales do not depend on the split."""
+    o and down (and of the experts' alike); per-group activation scales do not depend on the split."""
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    one = make_llm(checkpoints["hf-block"]).generate(prompts, params, use_tqdm=False)
-    llm = make_llm(checkpoints["hf-block"], tensor_parallel_size=2)
+    one = make_llm(checkpoints[name]).generate(prompts, params, use_tqdm=False)
+    llm = make_llm(checkpoints[name], tensor_parallel_size=2)
     try:
         two = llm.generate(prompts, params, use_tqdm=False)
     finally:
@@ -256,6 +279,46 @@ def test_two_ranks_answer_as_one_from_a_block_checkpoint(checkpoints, one_thread
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for ours, theirs in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert all(abs(ours[t].logprob - theirs[t].logprob) < 1e-3 for t in ours)
+
+
+# -- FP8 experts -------------------------------------------------------------------------------------
+def test_expert_block_checkpoint_loads_the_quantized_values_and_expands_block_rows(checkpoints):
+    experts = model_of(make_llm(checkpoints["moe-block"])).model.layers[1].mlp.experts
+    tensors = checkpoints["moe-block-tensors"]
+    name = "model.layers.1.mlp.experts.2.{}_proj.weight".format
+    assert experts.gate_up_proj.dtype == experts.down_proj.dtype == FP8
+    gate_up = torch.cat([tensors[name("gate")], tensors[name("up")]])
+    assert torch.equal(experts.gate_up_proj[2].view(torch.uint8), gate_up.view(torch.uint8))
+    assert torch.equal(experts.down_proj[2].view(torch.uint8), tensors[name("down")].view(torch.uint8))
+    scales = torch.cat([tensors[name(p) + "_scale_inv"] for p in ("gate", "up")]).repeat_interleave(BLOCK[0], 0)
+    assert torch.equal(experts.gate_up_proj_scale[2], scales)
+    assert experts.down_proj_scale.shape == (4, 64, 128 // BLOCK[1])
+
+
+def test_fp8_experts_compute_transformers_on_the_dequantized_weights(checkpoints):
+    """Experts run weight-only: nothing but float32 rounding differs (attention is unquantized)."""
+    reference = testing.load_reference(checkpoints["moe-block-values"])
+    assert logprob_distance(make_llm(checkpoints["moe-block"]), reference) < 1e-4
+
+
+def test_quantization_fp8_quantizes_each_experts_rows_at_load(checkpoints):
+    llm = make_llm(checkpoints["moe-plain"], quantization="fp8")
+    experts = model_of(llm).model.layers[0].mlp.experts
+    weight = checkpoints["moe-tensors"]["model.layers.0.mlp.experts.3.down_proj.weight"]
+    q, scales = quantize_blocks(weight, 1, weight.shape[1])
+    assert torch.equal(experts.down_proj[3].view(torch.uint8), q.view(torch.uint8))
+    torch.testing.assert_close(experts.down_proj_scale[3], scales)
+    reference = testing.load_reference(checkpoints["moe-plain"])
+    assert 0 < logprob_distance(llm, reference) < QUANTIZATION_TOLERANCE
+
+
+def test_wrong_shaped_expert_scale_is_an_error_naming_the_tensor(checkpoints, tmp_path):
+    name = "model.layers.0.mlp.experts.1.down_proj.weight_scale_inv"
+    tensors = {**checkpoints["moe-block-tensors"], name: checkpoints["moe-block-tensors"][name][:, :1].contiguous()}
+    path = save(tensors, json.loads((checkpoints["moe-block"] / "config.json").read_text()), tmp_path / "bad")
+    with pytest.raises(ValueError, match=rf"checkpoint tensor {name}: expert down projection's weight scale: "
+                                         r"checkpoint shape \(4, 1\) != expected \(4, 4\)"):
+        make_llm(path)
 
 
 # -- errors -------------------------------------------------------------------------------------------

@@ -229,3 +229,47 @@ def test_default_config_keeps_a_stage_of_fp32_tiles_in_bf16s_shared_memory():
     bf16 = kernels.default_config(256, 8, 128)  # 16 pairs per expert
     fp32 = kernels.default_config(256, 8, 128, element_size=4)
     assert (fp32.block_m, fp32.block_n, fp32.block_k) == (bf16.block_m, bf16.block_n, bf16.block_k // 2)
+
+
+def fp8_experts(weight: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[experts, rows, cols]`` weights as e4m3 with scales per row (``group`` None) or per row
+    and ``group`` columns, worked out here from each group's absolute maximum."""
+    experts, rows, cols = weight.shape
+    group = group or cols
+    amax = weight.abs().view(experts, rows, cols // group, group).amax(dim=3)
+    scale = amax / reference.FP8_MAX
+    q = (weight / scale.repeat_interleave(group, dim=2)).to(reference.FP8_DTYPE)
+    return q, scale
+
+
+def fp8_moe_case(group: int | None) -> tuple[tuple, dict[str, torch.Tensor], list[torch.Tensor]]:
+    """A random layer's inputs with e4m3 experts: (hidden, weights, routing), their scales, and
+    the dequantized weights."""
+    block = random_moe_block(norm_topk_prob=True)
+    hidden = torch.randn(TOKENS, HIDDEN)
+    weights, ids = routing_without_expert(missing=1)
+    (gate_up, gate_up_scale), (down, down_scale) = (fp8_experts(w.detach(), group)
+                                                    for w in (block.experts.gate_up_proj, block.experts.down_proj))
+    dequantized = [q.float() * s.repeat_interleave(q.shape[2] // s.shape[2], dim=2)
+                   for q, s in ((gate_up, gate_up_scale), (down, down_scale))]
+    return (hidden, gate_up, down, weights, ids), dict(gate_up_scale=gate_up_scale, down_scale=down_scale), dequantized
+
+
+@pytest.mark.parametrize("group", [None, 8])
+@torch.no_grad()
+def test_fp8_experts_compute_the_layer_of_their_dequantized_weights(group):
+    """e4m3 experts with scales per row or per row and block of columns (the reference)."""
+    (hidden, gate_up, down, weights, ids), scales, dequantized = fp8_moe_case(group)
+    expected = reference.fused_moe(hidden, *dequantized, weights, ids)
+    out = reference.fused_moe(hidden, gate_up, down, weights, ids, **scales)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group", [None, 8])
+@torch.no_grad()
+def test_triton_fp8_experts_match_reference(triton_moe, group):
+    args, scales, _ = fp8_moe_case(group)
+    config = triton_moe.MoeConfig(block_m=16, block_n=16, block_k=8, num_warps=4, num_stages=1)
+    out = triton_moe.fused_moe_with(*args, activation="silu", gate_up_bias=None, down_bias=None, swiglu_limit=None,
+                                    config=config, **scales)
+    torch.testing.assert_close(out, reference.fused_moe(*args, **scales), atol=1e-5, rtol=1e-5)

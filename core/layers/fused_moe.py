@@ -21,6 +21,7 @@ tensors (gpt-oss: ``[experts, hidden, 2 * inter]`` with gate and up columns inte
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Callable
 
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from hookllm.distributed import expert_parallel_enabled, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
-from hookllm.layers.linear import LoadedWeight, check_loaded_shape
+from hookllm.layers.linear import LoadedWeight, check_loaded_shape, loaded_shape, materialize
 from hookllm.kernels import reference
 from hookllm.kernels.reference import check_moe_activation, route
 
@@ -45,20 +46,24 @@ def _moe_kernels(hidden: torch.Tensor):
     return reference
 
 
-_EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+# A weight, or a quantized weight's scale (``weight_scale``, or ``weight_scale_inv`` as Hugging
+# Face's FP8 checkpoints name theirs), which goes to the stacked parameter's ``..._scale``.
+_EXPERT_TENSOR = re.compile(
+    r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight(?P<scale>_scale(?:_inv)?)?$")
 
 
 def expert_tensor_renamer(projections: dict[str, str]) -> Callable[[str], tuple[str, str] | None]:
     """A ``rename`` for :func:`hookllm.worker.model_loader.load_weights_into` that sends
     per-expert checkpoint tensors to the stacked parameters of a :class:`FusedMoE` named
     ``...experts``: with ``{"w1": "gate", "w3": "up", "w2": "down"}`` (Mixtral),
-    ``...experts.3.w1.weight`` becomes shard ``"gate:3"`` of ``...experts.gate_up_proj``."""
+    ``...experts.3.w1.weight`` becomes shard ``"gate:3"`` of ``...experts.gate_up_proj``, and its
+    ``weight_scale`` the same shard of ``...experts.gate_up_proj_scale``."""
     def rename(name: str) -> tuple[str, str] | None:
         match = _EXPERT_TENSOR.match(name)
         if match is None or match["proj"] not in projections:
             return None
         kind = projections[match["proj"]]
-        param = "down_proj" if kind == "down" else "gate_up_proj"
+        param = ("down_proj" if kind == "down" else "gate_up_proj") + ("_scale" if match["scale"] else "")
         return f"{match['experts']}.{param}", f"{kind}:{match['expert']}"
 
     return rename
@@ -112,6 +117,11 @@ class FusedMoE(nn.Module):
             self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden_size), requires_grad=False)
         else:
             self.gate_up_proj_bias = self.down_proj_bias = None
+        # A quantization method's (hookllm.plugins.quantization.MoeMethod) e4m3 experts' scales:
+        # ``[experts, rows, column groups]`` float32, each with a ``param_layout``.
+        self.register_parameter("gate_up_proj_scale", None)
+        self.register_parameter("down_proj_scale", None)
+        self.quant_method = None
 
     def extra_repr(self) -> str:
         placement = (f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} of "
@@ -134,7 +144,8 @@ class FusedMoE(nn.Module):
         out = _moe_kernels(hidden_states).fused_moe(
             hidden_states, self.gate_up_proj, self.down_proj, weights, ids, activation=self.activation,
             gate_up_bias=self.gate_up_proj_bias, down_bias=self._down_bias(), swiglu_limit=self.swiglu_limit,
-            experts_elsewhere=self.expert_parallel)
+            experts_elsewhere=self.expert_parallel, gate_up_scale=self.gate_up_proj_scale,
+            down_scale=self.down_proj_scale)
         return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
 
     def _down_bias(self) -> torch.Tensor | None:
@@ -149,7 +160,7 @@ class FusedMoE(nn.Module):
         one per expert and projection. A stacked checkpoint tensor (shard None) counts for all."""
         if param_name.endswith("_bias"):
             return [None]
-        kinds = ("gate", "up") if param_name == "gate_up_proj" else ("down",)
+        kinds = ("gate", "up") if param_name.startswith("gate_up_proj") else ("down",)
         local = range(self.first_expert, self.first_expert + self.num_local_experts)
         return [f"{kind}:{e}" for kind in kinds for e in local]
 
@@ -169,9 +180,15 @@ class FusedMoE(nn.Module):
             kind, _, expert = shard.partition(":")
             if kind not in EXPERT_PROJECTIONS or not expert.isdigit() or int(expert) >= self.num_experts:
                 raise ValueError(f"unknown expert shard {shard!r} (num_experts={self.num_experts})")
-            if self._is_local(int(expert)):
+            if not self._is_local(int(expert)):
+                return [shard]
+            if name.endswith("_scale"):
+                self._load_expert_scale(param, loaded, kind, int(expert) - self.first_expert)
+            else:
                 self._load_expert(param, loaded, kind, int(expert) - self.first_expert)
             return [shard]
+        if name.endswith("_scale"):
+            raise ValueError("stacked expert weight scales are not supported: the checkpoint must hold one per expert")
         self._load_stacked(name, param, loaded)
         return self.expected_shards(name)
 
@@ -188,8 +205,39 @@ class FusedMoE(nn.Module):
             param.data[local].copy_(loaded[:, lo:hi])
             return
         check_loaded_shape(loaded, (inter, hidden), f"expert {kind} projection")
-        rows = slice(0, self.local_inter) if kind == "gate" else slice(self.local_inter, 2 * self.local_inter)
-        param.data[local, rows].copy_(loaded[lo:hi])
+        param.data[local, self._gate_up_rows(kind)].copy_(loaded[lo:hi])
+
+    def _gate_up_rows(self, kind: str) -> slice:
+        """Where a rank's gate or up rows lie in its ``gate_up_proj``."""
+        return slice(0, self.local_inter) if kind == "gate" else slice(self.local_inter, 2 * self.local_inter)
+
+    def _load_expert_scale(self, param: nn.Parameter, loaded: LoadedWeight, kind: str, local: int) -> None:
+        """Expert ``local``'s scale of one projection, as its ``param_layout`` says the checkpoint
+        holds it: one value (``scalar_fill``), one per row, or one per block of ``out_block`` rows
+        and ``in_block`` columns. Stored per row of this rank's shard and group of its columns."""
+        layout = param.param_layout
+        rows, cols = (self.hidden_size, self.intermediate_size) if kind == "down" else \
+            (self.intermediate_size, self.hidden_size)
+        what = f"expert {kind} projection's weight scale"
+        if layout.scalar_fill:
+            if math.prod(loaded_shape(loaded)) != 1:
+                raise ValueError(f"{what}: a per-tensor scale must be one value, got shape {loaded_shape(loaded)}")
+            scale = materialize(loaded).float().reshape(1, 1).expand(rows, 1)
+        else:
+            blocked = layout.in_block > 1
+            check_loaded_shape(loaded, (-(-rows // layout.out_block), -(-cols // layout.in_block)) if blocked
+                               else (rows, 1), what)
+            scale = materialize(loaded).float().repeat_interleave(layout.out_block, 0)[:rows]
+        lo, hi = self._inter_range()
+        if kind == "down":
+            if scale.shape[1] > 1:  # this rank's blocks of intermediate columns
+                if lo % layout.in_block and lo // layout.in_block != (hi - 1) // layout.in_block:
+                    raise ValueError(f"this rank's intermediate columns {lo}..{hi} do not start on a scale "
+                                     f"block of {layout.in_block}")
+                scale = scale[:, lo // layout.in_block:-(-hi // layout.in_block)]
+            param.data[local].copy_(scale)
+        else:
+            param.data[local, self._gate_up_rows(kind)].copy_(scale[lo:hi])
 
     def _load_stacked(self, name: str, param: nn.Parameter, loaded: LoadedWeight) -> None:
         lo, hi = self._inter_range()
