@@ -16,7 +16,10 @@ and prefills of 8192 and 16384 tokens run again with a window of W tokens (Mistr
 next to the same shapes without it: GB/s count only the K/V in the window, TFLOP/s only the
 scores inside it, and the speed-up is the time without the window over the time with it.
 
-    python benchmarks/attention.py [--tune] [--quick] [--sliding-window [W]]
+With ``--kv-cache-dtype fp8`` the caches hold e4m3 (scales 1.0, as an uncalibrated FP8 cache
+reads) and GB/s count one byte per cached element.
+
+    python benchmarks/attention.py [--tune] [--quick] [--sliding-window [W]] [--kv-cache-dtype fp8]
 
 Writes JSON to $OUT/attention.json when $OUT is set, else to benchmarks/results/.
 """
@@ -44,6 +47,8 @@ MODELS = {  # name: (num_heads, num_kv_heads, head_dim)
 }
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
+KV_DTYPES = {"auto": DTYPE, "fp8": torch.float8_e4m3fn}
+kv_dtype = DTYPE  # the caches' (--kv-cache-dtype)
 L2_FLUSH_BYTES = 4 * 60 * 2**20
 
 
@@ -56,8 +61,8 @@ def paged_batches(num_seqs: int, q_len: int, seq_len: int, model: str, copies: i
     blocks_per_seq = -(-seq_len // BLOCK_SIZE)
     per_copy = num_seqs * blocks_per_seq
     shape = (per_copy * copies, BLOCK_SIZE, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
-    v_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
+    k_cache = torch.randn(shape, device="cuda", dtype=DTYPE).to(kv_dtype)
+    v_cache = torch.randn(shape, device="cuda", dtype=DTYPE).to(kv_dtype)
     perm = torch.randperm(per_copy * copies, device="cuda").to(torch.int32).view(copies, num_seqs, blocks_per_seq)
     query_start_loc = torch.arange(num_seqs + 1, device="cuda", dtype=torch.int32) * q_len
     seq_lens = torch.full((num_seqs,), seq_len, device="cuda", dtype=torch.int32)
@@ -137,7 +142,7 @@ def decode_bytes(batch: int, context: int, model: str, window: int | None = None
     query and output."""
     num_heads, num_kv_heads, head_dim = MODELS[model]
     keys = context if window is None else min(context, window)
-    return 2 * batch * keys * num_kv_heads * head_dim * 2 + 2 * batch * num_heads * head_dim * 2
+    return 2 * batch * keys * num_kv_heads * head_dim * kv_dtype.itemsize + 2 * batch * num_heads * head_dim * 2
 
 
 def causal_flops(seqs: int, tokens: int, model: str, window: int | None = None) -> float:
@@ -194,8 +199,10 @@ def bench_prefill(model: str, seqs: int, tokens: int) -> dict:
 
 # Alternatives timed by --tune next to the defaults: decode (block_n, warps, stages),
 # prefill (query rows, block_n, warps, stages).
-DECODE_CANDIDATES = [(128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 2, 3), (128, 4, 2), (128, 8, 2)]
-PREFILL_CANDIDATES = [(128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3)]
+DECODE_CANDIDATES = [(128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 2, 3), (128, 4, 2), (128, 8, 2), (128, 4, 4),
+                     (256, 4, 2), (256, 8, 2), (256, 4, 3)]
+PREFILL_CANDIDATES = [(128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3),
+                      (64, 128, 4, 3), (128, 128, 8, 2)]
 
 
 def bench_window(window: int, quick: bool) -> dict:
@@ -287,8 +294,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
     parser.add_argument("--sliding-window", type=int, nargs="?", const=4096, metavar="W",
                         help="also time long decodes and prefills with a sliding window of W tokens (default 4096)")
+    parser.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPES), default="auto",
+                        help="the caches' dtype: auto (bf16) or fp8 (e4m3)")
     add_out_argument(parser)
     args = parser.parse_args()
+    global kv_dtype
+    kv_dtype = KV_DTYPES[args.kv_cache_dtype]
     torch.manual_seed(0)
     batches, contexts = ([1, 64], [2048]) if args.quick else ([1, 16, 64, 256], [512, 2048, 8192])
     seq_counts, token_counts = ([4], [2048]) if args.quick else ([1, 4, 16], [512, 1024, 2048, 4096])
@@ -302,6 +313,7 @@ def main() -> None:
         peak_bytes_per_s=PEAK_BYTES_PER_S,
         block_size=BLOCK_SIZE,
         dtype="bfloat16",
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
     )
     if args.tune:
         result["tuning"] = tune()
@@ -321,7 +333,7 @@ def main() -> None:
     if args.sliding_window:
         result["sliding_window"] = bench_window(args.sliding_window, args.quick)
 
-    write_result("attention", result, args.out)
+    write_result("attention" + ("-kvfp8" if args.kv_cache_dtype == "fp8" else ""), result, args.out)
     print(f"\n{result['device']}  {result['date']}  commit {result['commit']}\n")
     print(tables(decode, prefill))
     if args.sliding_window:

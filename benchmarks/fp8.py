@@ -18,14 +18,16 @@ out), TFLOP/s (``2 M N K``) and the speed-up over bf16. Checked once per layer: 
 against ``reference.scaled_matmul`` on the same e4m3 operands (max abs difference over the
 reference's max abs value, below 1e-2). ``--sweep`` times every candidate ``MatmulConfig`` on the
 W8A8 matmul of all eight layers per row count and prints the best (summed over the layers) against
-``default_config``.
+``default_config``; ``--split-sweep`` times each layer's W8A8 matmul at ``default_config``'s
+blocks with every split-K count (decode row counts) and prints the best against the default's.
 
-    python benchmarks/fp8.py [--models llama-3.2-1b,llama-3.1-8b] [--rows 1,16,64,...] [--sweep]
+    python benchmarks/fp8.py [--models llama-3.2-1b,llama-3.1-8b] [--rows 1,16,64,...] [--sweep] [--split-sweep]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 from pathlib import Path
@@ -44,6 +46,7 @@ MODELS = ("llama-3.2-1b", "llama-3.1-8b")
 ROWS = "1,16,64,128,256,512,2048,8192"
 KERNELS = ("bf16", "w8a8", "torch", "weight_only")
 # (block_m, block_n, block_k, num_warps, num_stages) tried by --sweep, block_m capped by the rows.
+SPLITS = (1, 2, 4, 8, 16)
 CANDIDATES = [MatmulConfig(*c) for c in itertools.product((16, 32, 64, 128), (32, 64, 128), (64, 128), (4, 8),
                                                           (3, 4, 5))]
 
@@ -71,7 +74,7 @@ class Layer:
 
     def calls(self, x: torch.Tensor) -> dict:
         """Each kernel's call on ``x``, as a function of nothing."""
-        config = triton_fp8.default_config(len(x))
+        config = default_config(len(x), self)
 
         def w8a8():  # the Triton kernel at every row count (scaled_matmul hands large ones to cuBLASLt)
             q, s = triton_fp8.quantize_fp8(x, self.k)
@@ -92,12 +95,17 @@ class Layer:
         for name, a, a_scale in (("w8a8", q, s), ("weight_only", x, None)):
             ref = reference.scaled_matmul(a, a_scale, self.wq, self.ws, torch.float32)
             out = triton_fp8.scaled_matmul_with(a, a_scale, self.wq, self.ws, torch.bfloat16, None,
-                                                triton_fp8.default_config(rows)).float()
+                                                default_config(rows, self)).float()
             errors[name] = float((out - ref).abs().max() / ref.abs().max())
         return errors
 
     def moved_bytes(self, rows: int, weight_bytes: int) -> int:
         return weight_bytes * self.n * self.k + 2 * rows * (self.k + self.n)
+
+
+def default_config(rows: int, layer: Layer) -> MatmulConfig:
+    """The engine's configuration for ``layer`` at ``rows`` rows on this GPU (split-K included)."""
+    return triton_fp8.default_config(rows, layer.n, layer.k, torch.cuda.get_device_properties(0).multi_processor_count)
 
 
 def median_ms(fn, rep: int = 100) -> float:
@@ -114,7 +122,7 @@ def measure(layer: Layer, rows: int) -> dict:
     x = layer.inputs(rows)
     flops = 2.0 * rows * layer.n * layer.k
     row = {"model": layer.model, "layer": layer.name, "m": rows, "n": layer.n, "k": layer.k,
-           "default": triton_fp8.default_config(rows).__dict__}
+           "default": default_config(rows, layer).__dict__}
     for name, fn in layer.calls(x).items():
         try:
             ms = median_ms(fn)
@@ -158,6 +166,20 @@ def sweep(layers: list[Layer], rows: int) -> dict:
             "sweep_us": {"-".join(map(str, c.__dict__.values())): 1e3 * t for c, t in times.items()}}
 
 
+def split_sweep(layer: Layer, rows: int) -> dict:
+    """The W8A8 matmul of ``layer`` (activations quantized beforehand) at each split-K count."""
+    q, s = triton_fp8.quantize_fp8(layer.inputs(rows), layer.k)
+    default = default_config(rows, layer)
+    times = {split: 1e3 * median_ms(lambda: triton_fp8.scaled_matmul_with(
+        q, s, layer.wq, layer.ws, torch.bfloat16, None, dataclasses.replace(default, split_k=split)), rep=50)
+        for split in SPLITS}
+    best = min(times, key=times.get)
+    print(f"split sweep {layer.model} {layer.name} M={rows}: best split {best} {times[best]:.1f} us, default "
+          f"{default.split_k} {times[default.split_k]:.1f} us", flush=True)
+    return {"model": layer.model, "layer": layer.name, "m": rows, "n": layer.n, "k": layer.k, "best": best,
+            "default": default.split_k, "us_by_split": times}
+
+
 def cell(entry: dict, key: str, spec: str) -> str:
     return f"{entry[key]:>{spec}}" if key in entry else f"{'err':>{spec.split('.')[0]}}"
 
@@ -168,6 +190,7 @@ def main() -> None:
     parser.add_argument("--rows", default=ROWS, help="row counts M (tokens per call)")
     parser.add_argument("--sweep", action="store_true", help="also time every candidate MatmulConfig per row count")
     parser.add_argument("--sweep-only", action="store_true", help="the sweep without the timings of the four kernels")
+    parser.add_argument("--split-sweep", action="store_true", help="also time each layer at every split-K count")
     add_out_argument(parser)
     args = parser.parse_args()
     rows = [int(m) for m in args.rows.split(",")]
@@ -181,9 +204,11 @@ def main() -> None:
         assert all(v < 1e-2 for v in errors.values()), f"{layer.model} {layer.name}: {errors}"
     results = [] if args.sweep_only else [measure(layer, m) for layer in layers for m in rows]
     sweeps = [sweep(layers, m) for m in rows] if args.sweep or args.sweep_only else []
+    splits = [split_sweep(layer, m) for layer in layers for m in rows if m < triton_fp8.CUBLAS_FROM_ROWS] \
+        if args.split_sweep else []
     payload = {"device": device_name(), "date": now(), "commit": commit(), "checks": checks, "results": results,
-               "sweep": sweeps, "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flop_per_s": BF16_FLOP_PER_S,
-               "fp8_flop_per_s": FP8_FLOP_PER_S}
+               "sweep": sweeps, "split_sweep": splits, "hbm_bytes_per_s": HBM_BYTES_PER_S,
+               "bf16_flop_per_s": BF16_FLOP_PER_S, "fp8_flop_per_s": FP8_FLOP_PER_S}
     subset = "" if args.rows == ROWS else "-m" + args.rows.replace(",", "-")  # a split run keeps its own file
     write_result(f"fp8-gemm-{'sweep-' if sweeps else ''}{payload['commit']}{subset}", payload, args.out)
     print(f"\nFP8 GEMMs on {payload['device']} ({payload['commit']}); us, speed-up over bf16")
@@ -197,6 +222,10 @@ def main() -> None:
     for s in sweeps:
         print(f"sweep M={s['m']:<5} best {tuple(s['best'].values())} {s['best_us']:.1f} us; default "
               f"{tuple(s['default'].values())} {s['default_us']:.1f} us ({s['default_over_best']:.2f}x)")
+    for s in splits:
+        times = s["us_by_split"]
+        print(f"split M={s['m']:<3} {s['model']:<14}{s['layer']:<9} best {s['best']:>2} ({times[s['best']]:.1f} us), "
+              f"default {s['default']:>2} ({times[s['default']]:.1f} us)")
 
 
 if __name__ == "__main__":

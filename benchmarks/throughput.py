@@ -16,7 +16,7 @@ Workload latency: one request alone, a 3,000-token prompt and 256 greedy output 
 from the request's metrics.
 
 ``--quantization fp8`` quantizes the linear layers at load (per-channel weights, per-token
-activations) and ``--kv-cache-dtype fp8`` stores K/V in e4m3; the limits then count those bytes
+activations; MoE experts weight-only) and ``--kv-cache-dtype fp8`` stores K/V in e4m3; the limits then count those bytes
 and the FP8 rate, and the result file's name says so (``-fp8``, ``-kvfp8``).
 
     python benchmarks/throughput.py --shape llama-3.2-1b [--workload a|short|latency] [--repeat N] [--skip-static]
@@ -128,22 +128,24 @@ def decode_steps(max_tokens: list[int], max_batch: int) -> int:
     return len(decode_batches(max_tokens, max_batch))
 
 
-def step_weight_bytes(config: dict, weight_bytes: int, batch: int) -> float:
+def step_weight_bytes(config: dict, weight_bytes: int, batch: int, expert_element_bytes: int = 2) -> float:
     """Weight bytes a decode step of ``batch`` requests reads: all of a dense model's; of an MoE
-    model's experts, only those the batch's tokens are routed to, which under uniform routing
-    is ``E * (1 - (1 - k/E)^batch)`` of each layer's ``E`` (random weights route about uniformly)."""
+    model's experts (``expert_element_bytes`` per weight), only those the batch's tokens are routed
+    to, which under uniform routing is ``E * (1 - (1 - k/E)^batch)`` of each layer's ``E`` (random
+    weights route about uniformly)."""
     moe = moe_experts(config)
     if moe is None:
         return float(weight_bytes)
     experts, top_k, _ = moe
-    all_experts = 2 * config["num_hidden_layers"] * experts * expert_params(config)
+    all_experts = expert_element_bytes * config["num_hidden_layers"] * experts * expert_params(config)
     touched = experts * (1.0 - (1.0 - top_k / experts) ** batch)
     return weight_bytes - all_experts + all_experts * touched / experts
 
 
 def fp8_params_per_layer(config: dict) -> int:
-    """Weights of one decoder layer that ``--quantization fp8`` stores in e4m3: the attention
-    projections and a dense MLP (MoE experts and routers stay bf16)."""
+    """Weights of one decoder layer that ``--quantization fp8`` multiplies in FP8 GEMMs: the
+    attention projections and a dense MLP (MoE experts are e4m3 too, but run weight-only, at the
+    bf16 rate; routers stay bf16)."""
     if moe_experts(config) is None:
         return linear_params_per_layer(config)
     h = config["hidden_size"]
@@ -152,9 +154,12 @@ def fp8_params_per_layer(config: dict) -> int:
 
 
 def fp8_weight_bytes(config: dict, weight_bytes: int) -> int:
-    """The bf16 checkpoint's ``weight_bytes`` with the layers' quantized weights at 1 byte each
-    (embeddings, lm_head and norms stay at 2)."""
-    return weight_bytes - config["num_hidden_layers"] * fp8_params_per_layer(config)
+    """The bf16 checkpoint's ``weight_bytes`` with the layers' quantized weights at 1 byte each:
+    those of ``fp8_params_per_layer`` and every expert (embeddings, lm_head, routers and norms
+    stay at 2)."""
+    moe = moe_experts(config)
+    experts = 0 if moe is None else moe[0] * expert_params(config)
+    return weight_bytes - config["num_hidden_layers"] * (fp8_params_per_layer(config) + experts)
 
 
 def prefill_flops(config: dict, prompts: list[list[int]]) -> float:
@@ -184,7 +189,7 @@ def physical_limit(config: dict, prompts: list[list[int]], max_tokens: list[int]
     rate are added, not overlapped with decoding.
 
     ``weight_bytes`` are the bf16 checkpoint's. With ``quantization="fp8"`` the quantized layers'
-    weights count 1 byte each (``fp8_weight_bytes``) and their FLOPs (``fp8_prefill_flops``) run
+    weights (experts included) count 1 byte each (``fp8_weight_bytes``) and their FLOPs (``fp8_prefill_flops``) run
     at the dense FP8 rate; with ``kv_cache_dtype="fp8"`` K/V count 1 byte per element.
     """
     checkpoint_bytes = weight_bytes
@@ -194,7 +199,8 @@ def physical_limit(config: dict, prompts: list[list[int]], max_tokens: list[int]
     kv_per_token = kv_bytes_per_token(config, kv_element)
     batches = decode_batches(max_tokens, max_batch or len(max_tokens))
     steps = len(batches)
-    step_bytes = {b: step_weight_bytes(config, weight_bytes, b) for b in set(batches)}
+    expert_element = 1 if quantization == "fp8" else 2
+    step_bytes = {b: step_weight_bytes(config, weight_bytes, b, expert_element) for b in set(batches)}
     weights_read = sum(step_bytes[b] for b in batches)
     total = weights_read + kv_bytes_read(config, prompts, max_tokens, kv_element)
     flops = prefill_flops(config, prompts)

@@ -10,13 +10,17 @@ Same signatures and semantics as their twins in :mod:`hookllm.kernels.reference`
   converted in registers. Per-token / per-channel scales (one group) multiply the accumulator
   once at the end; group scales (block-quantized weights, ``BLOCK_K`` dividing the group) each
   K step's partial product.
+* Split-K for decode-sized batches: a few rows give too few output tiles to keep the SMs'
+  loads in flight, so each tile's K steps are cut into ``split_k`` ranges whose programs write
+  float32 partial sums; a second kernel adds them up (bias included) in the output dtype.
 
-Launch configurations are keyed by the row count. Per-token x per-channel W8A8 goes to cuBLASLt
-instead (``scaled_matmul``).
+Launch configurations are keyed by the row count; the split by how many programs the output
+tiles leave the GPU. Per-token x per-channel W8A8 goes to cuBLASLt instead (``scaled_matmul``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +28,7 @@ import triton
 import triton.language as tl
 
 from hookllm.kernels.reference import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from hookllm.kernels.triton_attention import num_sms
 
 _MAX = tl.constexpr(FP8_MAX)
 _MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
@@ -63,6 +68,7 @@ class MatmulConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1
 
 
 # (most rows, config), smallest first: the best of a sweep on an H200 over the Llama-3.1-8B
@@ -73,10 +79,25 @@ _CONFIGS_BY_ROWS = (
     (float("inf"), MatmulConfig(128, 64, 128, 8, 4)),
 )
 CUBLAS_FROM_ROWS = 65
+# Split-K: cut K until the programs fill about this many per SM, never below MIN_SPLIT_STEPS K
+# steps per split (each needs a few to pipeline its loads). Tuned on an H200 (benchmarks/fp8.py).
+SPLIT_PROGRAMS_PER_SM = 4
+MIN_SPLIT_STEPS = 4
+MAX_SPLIT_K = 16
 
 
-def default_config(rows: int) -> MatmulConfig:
-    return next(config for bound, config in _CONFIGS_BY_ROWS if rows <= bound)
+def default_config(rows: int, outputs: int = 0, columns: int = 0, num_sms: int = 0) -> MatmulConfig:
+    """The launch configuration of ``rows`` x ``columns`` activations by ``outputs`` x ``columns``
+    weights on a GPU of ``num_sms`` SMs (0: no split)."""
+    config = next(config for bound, config in _CONFIGS_BY_ROWS if rows <= bound)
+    tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(outputs, config.block_n)
+    if not num_sms or not tiles:
+        return config
+    split = 1
+    while (split * 2 <= MAX_SPLIT_K and tiles * split * 2 <= SPLIT_PROGRAMS_PER_SM * num_sms
+           and columns // (split * 2 * config.block_k) >= MIN_SPLIT_STEPS):
+        split *= 2
+    return dataclasses.replace(config, split_k=split)
 
 
 @triton.jit
@@ -87,9 +108,11 @@ def _scaled_matmul_kernel(
     stride_om, stride_on,
     GROUP_K: tl.constexpr, A_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """Grid: output tiles, grouped by GROUP_M row tiles so neighbouring programs share weight
-    tiles in L2. GROUP_K = 0: one scale group (applied after the K loop)."""
+    """Grid: (output tiles, K splits), tiles grouped by GROUP_M row tiles so neighbouring programs
+    share weight tiles in L2. GROUP_K = 0: one scale group (applied after the K loop). With SPLIT
+    the program's float32 partial sum goes to ``out[split]`` (``[splits, M, N]``), unbiased."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -100,13 +123,16 @@ def _scaled_matmul_kernel(
     pid_n = (pid % per_group) // group_rows
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    steps = tl.cdiv(K, BLOCK_K)
+    split_steps = tl.cdiv(steps, tl.num_programs(1))
+    first_step = tl.program_id(1) * split_steps
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :] * stride_ak
-    b_ptrs = b_ptr + rn.to(tl.int64)[None, :] * stride_bn + rk[:, None] * stride_bk
+    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + (first_step * BLOCK_K + rk)[None, :] * stride_ak
+    b_ptrs = b_ptr + rn.to(tl.int64)[None, :] * stride_bn + (first_step * BLOCK_K + rk)[:, None] * stride_bk
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(first_step, tl.minimum(first_step + split_steps, steps)):
         k_ok = rk < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -128,10 +154,27 @@ def _scaled_matmul_kernel(
         acc *= tl.load(b_scale_ptr + rn * stride_bsn, mask=n_ok, other=0.0)[None, :]
         if A_SCALED:
             acc *= tl.load(a_scale_ptr + rm * stride_asm, mask=m_ok, other=0.0)[:, None]
-    if HAS_BIAS:
+    if SPLIT:
+        out_ptr += tl.program_id(1).to(tl.int64) * M * N
+    elif HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :] * stride_on,
              acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, M, N, splits, stride_om, stride_on,
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid: (rows, column blocks). ``out = sum(part[:, m, n]) + bias`` in the output dtype."""
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for split in range(splits):
+        acc += tl.load(part_ptr + (split * M + m) * N + cols, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + cols * stride_on, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def scaled_matmul_with(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor, b_scale: torch.Tensor,
@@ -151,16 +194,23 @@ def scaled_matmul_with(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.T
     out = torch.empty((rows, outputs), dtype=out_dtype, device=a.device)
     if rows == 0:
         return out
+    split = config.split_k > 1
+    target = torch.empty((config.split_k, rows, outputs), dtype=torch.float32, device=a.device) if split else out
     scale_a = b_scale if a_scale is None else a_scale  # unused without A_SCALED
-    grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(outputs, config.block_n),)
+    grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(outputs, config.block_n), config.split_k)
     _scaled_matmul_kernel[grid](
-        a, scale_a, b, b_scale, bias, out, rows, outputs, columns,
-        *a.stride(), *scale_a.stride(), *b.stride(), *b_scale.stride(), *out.stride(),
+        a, scale_a, b, b_scale, bias, target, rows, outputs, columns,
+        *a.stride(), *scale_a.stride(), *b.stride(), *b_scale.stride(), *target.stride()[-2:],
         GROUP_K=group_k, A_SCALED=a_scale is not None, HAS_BIAS=bias is not None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=8,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT=split,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if split:
+        block = 1024
+        _sum_splits_kernel[(rows, triton.cdiv(outputs, block))](
+            target, bias, out, rows, outputs, config.split_k, *out.stride(), HAS_BIAS=bias is not None, BLOCK=block,
+            num_warps=4)
     return out
 
 
@@ -176,4 +226,5 @@ def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor
             and b.shape[0] % 16 == 0 == b.shape[1] % 16 and (bias is None or bias.dtype == out_dtype):
         return torch._scaled_mm(a, b.t(), scale_a=a_scale.contiguous(), scale_b=b_scale.reshape(1, -1),
                                 bias=bias, out_dtype=out_dtype)
-    return scaled_matmul_with(a, a_scale, b, b_scale, out_dtype, bias, default_config(a.shape[0]))
+    config = default_config(a.shape[0], b.shape[0], a.shape[1], num_sms(a.device) if a.is_cuda else 0)
+    return scaled_matmul_with(a, a_scale, b, b_scale, out_dtype, bias, config)

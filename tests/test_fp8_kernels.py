@@ -83,8 +83,10 @@ def test_triton_quantize_fp8_equals_reference(group_size):
 
 
 @interpreted
+@pytest.mark.parametrize("split_k", [1, 3], ids=["one-pass", "split-k"])
 @pytest.mark.parametrize("kind", ["per-channel", "block", "weight-only"])
-def test_triton_scaled_matmul_equals_reference(kind):
+def test_triton_scaled_matmul_equals_reference(kind, split_k):
+    """Split-K: 3 splits of 2 K steps, one of them empty; the partial sums add up, bias once."""
     from hookllm.kernels import triton_fp8
 
     rows, cols, outputs = 20, 64, 48
@@ -96,9 +98,20 @@ def test_triton_scaled_matmul_equals_reference(kind):
         a, a_scale = torch.randn(rows, cols), None
     else:
         a, a_scale = random_fp8(rows, cols, seed=4), torch.rand(rows, groups) / 64
-    config = triton_fp8.MatmulConfig(16, 32, 32, 4, 1)
+    config = triton_fp8.MatmulConfig(16, 32, 32, 4, 1, split_k=split_k)
     got = triton_fp8.scaled_matmul_with(a, a_scale, b, b_scale, torch.float32, bias, config)
     torch.testing.assert_close(got, reference.scaled_matmul(a, a_scale, b, b_scale, torch.float32, bias))
+
+
+def test_default_config_splits_k_only_while_the_tiles_leave_the_sms_idle():
+    """One row by 4096 outputs makes 128 tiles of 32 columns: doubling the split while the programs
+    stay within 4 per SM of 132 gives 4; 28672 outputs (896 tiles) fill the GPU unsplit."""
+    from hookllm.kernels import triton_fp8
+
+    assert triton_fp8.default_config(1, 4096, 4096, num_sms=132).split_k == 4
+    assert triton_fp8.default_config(1, 28672, 4096, num_sms=132).split_k == 1
+    assert triton_fp8.default_config(1, 4096, 1024, num_sms=132).split_k == 2  # 4 K steps per split at least
+    assert triton_fp8.default_config(1, 4096, 4096).split_k == 1  # no GPU, no split
 
 
 # -- the FP8 KV cache ----------------------------------------------------------------------------

@@ -41,8 +41,9 @@ def test_scaled_matmul_equals_reference(rows, kind, outputs, cols):
         a, a_scale = x, None
     else:
         a, a_scale = triton_fp8.quantize_fp8(x, cols // groups)
-    got = triton_fp8.scaled_matmul(a, a_scale, b, b_scale, BF16)
-    want = reference.scaled_matmul(a, a_scale, b, b_scale, torch.float32)
+    bias = torch.randn(outputs, device="cuda", generator=generator).to(BF16) if kind == "block" else None
+    got = triton_fp8.scaled_matmul(a, a_scale, b, b_scale, BF16, bias)  # split over K at 1 and 16 rows
+    want = reference.scaled_matmul(a, a_scale, b, b_scale, torch.float32, bias)
     assert float((got.float() - want).norm() / want.norm()) < 1e-2
 
 

@@ -54,6 +54,28 @@ def test_fused_moe_bf16_matches_the_fp32_reference(tokens, experts, top_k, hidde
     assert rel_error(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+@pytest.mark.parametrize("group", [None, 128], ids=["per-row", "block"])
+def test_fp8_experts_match_the_fp32_reference_on_the_same_e4m3_weights(tokens, group):
+    """Qwen3-30B-A3B's shape, experts e4m3 with per-row or 128-column block scales, weight-only."""
+    generator = torch.Generator("cuda").manual_seed(tokens)
+    experts, top_k, hidden, inter = 128, 8, 2048, 768
+
+    def fp8(*shape):
+        weight = torch.randn(*shape, device="cuda", generator=generator) * shape[-1] ** -0.5
+        q, scale = reference.quantize_fp8(weight.flatten(0, 1), group or shape[-1])
+        return q.view(shape), scale.view(*shape[:2], -1)
+
+    (w_gate_up, gate_up_scale), (w_down, down_scale) = fp8(experts, 2 * inter, hidden), fp8(experts, hidden, inter)
+    x = torch.randn(tokens, hidden, device="cuda", generator=generator).to(BF16)
+    weights, ids = reference.route(torch.randn(tokens, experts, device="cuda", generator=generator), top_k,
+                                   renormalize=True, softmax_first=True)
+    scales = dict(gate_up_scale=gate_up_scale, down_scale=down_scale)
+    out = triton_moe.fused_moe(x, w_gate_up, w_down, weights, ids, **scales)
+    ref = reference.fused_moe(x.float(), w_gate_up, w_down, weights, ids, **scales)
+    assert rel_error(out, ref) < 1e-2
+
+
 def test_absent_experts_add_nothing_and_halves_sum_to_the_whole():
     """Expert parallelism: two ranks' shares (each with the other's experts absent) sum to all experts."""
     generator = torch.Generator("cuda").manual_seed(0)
