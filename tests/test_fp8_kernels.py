@@ -104,14 +104,16 @@ def test_triton_scaled_matmul_equals_reference(kind, split_k):
 
 
 def test_default_config_splits_k_only_while_the_tiles_leave_the_sms_idle():
-    """One row by 4096 outputs makes 128 tiles of 32 columns: doubling the split while the programs
-    stay within 4 per SM of 132 gives 4; 28672 outputs (896 tiles) fill the GPU unsplit."""
+    """One row by 4096 outputs makes 128 tiles of 32 columns, 14336 columns 112 K steps of 128:
+    doubling the split while the programs stay within 4 per SM of 132 (528) and each split keeps
+    16 steps gives 4; 4096 columns (32 steps) stop at 2; 28672 outputs (896 tiles) fill the GPU."""
     from hookllm.kernels import triton_fp8
 
-    assert triton_fp8.default_config(1, 4096, 4096, num_sms=132).split_k == 4
+    assert triton_fp8.default_config(1, 4096, 14336, num_sms=132).split_k == 4
+    assert triton_fp8.default_config(1, 4096, 4096, num_sms=132).split_k == 2
+    assert triton_fp8.default_config(1, 4096, 2048, num_sms=132).split_k == 1
     assert triton_fp8.default_config(1, 28672, 4096, num_sms=132).split_k == 1
-    assert triton_fp8.default_config(1, 4096, 1024, num_sms=132).split_k == 2  # 4 K steps per split at least
-    assert triton_fp8.default_config(1, 4096, 4096).split_k == 1  # no GPU, no split
+    assert triton_fp8.default_config(1, 4096, 14336).split_k == 1  # no GPU, no split
 
 
 # -- the FP8 KV cache ----------------------------------------------------------------------------
