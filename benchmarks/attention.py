@@ -249,7 +249,7 @@ def tune() -> dict:
             tflops = causal_flops(4, 2048, model) / (ms * 1e-3) / 1e12
             results["prefill_4x2048"].append(dict(model=model, config=cfg.__dict__, ms=ms, tflops=tflops))
             print(f"tune prefill {model} {cfg} {ms:.3f} ms {tflops:.0f} TFLOP/s", flush=True)
-        cfg = ta.default_config(head_dim, group, 1)
+        cfg = ta.default_config(head_dim, group, 1, kv_dtype == torch.float8_e4m3fn)
         for seqs, context in ((1, 8192), (16, 2048), (16, 8192), (64, 8192)):
             batches = paged_batches(seqs, 1, context, model, copies_for(decode_bytes(seqs, context, model)))
             for splits in (1, 2, 4, 8, 16, 32):

@@ -44,6 +44,10 @@ _LOG2E = tl.constexpr(LOG2E)  # the kernels' copy: they may read only constexpr 
 # decode (block_n, num_warps, num_stages); prefill (query rows, block_n, num_warps, num_stages).
 _DECODE_CONFIGS = {64: (128, 4, 3), 128: (64, 4, 2), 256: (32, 4, 2)}
 _PREFILL_CONFIGS = {64: (128, 64, 8, 2), 128: (64, 64, 4, 3), 256: (64, 32, 8, 2)}
+# Over an FP8 cache (fp16 dots), tuned on an H200 (benchmarks/attention.py --kv-cache-dtype fp8);
+# head_dim 256 untuned, as bf16.
+_FP8_DECODE_CONFIGS = {64: (256, 4, 2), 128: (64, 2, 3), 256: (32, 4, 2)}
+_FP8_PREFILL_CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 4, 3), 256: (64, 32, 8, 2)}
 # Split-K: fill about this many resident decode programs per SM; never give a split fewer
 # than MIN_SPLIT_TOKENS keys.
 PROGRAMS_PER_SM = 4
@@ -351,14 +355,14 @@ class AttentionConfig:
     num_stages: int
 
 
-def default_config(head_dim: int, group: int, max_query_len: int) -> AttentionConfig:
-    """Tile sizes for a batch shape, tuned on an H200 (docs/performance.md): one query token
-    per program for decode-only batches (memory-bound), 64-128-row query tiles otherwise."""
+def default_config(head_dim: int, group: int, max_query_len: int, fp8_cache: bool = False) -> AttentionConfig:
+    """Tile sizes for a batch shape (and cache dtype), tuned on an H200 (docs/performance.md): one
+    query token per program for decode-only batches (memory-bound), 64-128-row query tiles otherwise."""
     key = min(max(head_dim, 64), 256)
     if max_query_len <= 1:
-        block_n, num_warps, num_stages = _DECODE_CONFIGS[key]
+        block_n, num_warps, num_stages = (_FP8_DECODE_CONFIGS if fp8_cache else _DECODE_CONFIGS)[key]
         return AttentionConfig(block_m=1, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    rows, block_n, num_warps, num_stages = _PREFILL_CONFIGS[key]
+    rows, block_n, num_warps, num_stages = (_FP8_PREFILL_CONFIGS if fp8_cache else _PREFILL_CONFIGS)[key]
     group_pad = triton.next_power_of_2(group)
     block_m = max(1, min(rows // group_pad, triton.next_power_of_2(max_query_len)))
     return AttentionConfig(
@@ -505,7 +509,7 @@ def paged_attention(
     num_kv_heads = k_cache.shape[2]
     keys = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
     num_splits = num_kv_splits(seq_lens.shape[0], num_kv_heads, max_query_len, keys, num_sms(query.device))
-    config = default_config(head_dim, num_heads // num_kv_heads, max_query_len)
+    config = default_config(head_dim, num_heads // num_kv_heads, max_query_len, k_cache.dtype == FP8_DTYPE)
     return paged_attention_with(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         max_query_len, scale, num_splits, config,
