@@ -7,7 +7,7 @@ and K/V scales). Each format must load to exactly the quantized values, and its 
 must lie within a stated distance of transformers' on the dequantized weights (the only
 difference left: the activations' own quantization). ``--quantization fp8`` on the unquantized
 checkpoint, and on SmolLM2, is measured against the unquantized model; then the FP8 KV cache, two
-ranks, and the errors.
+ranks, a tiny Qwen3-MoE's FP8 experts (weight-only: exactly the dequantized model), and the errors.
 """
 
 from __future__ import annotations
