@@ -198,9 +198,11 @@ def sample_with_hashed_noise(
     logits: torch.Tensor,  # [rows, vocab], any float dtype
     temperature: torch.Tensor,  # [rows] float32; 0 = greedy
     keys: torch.Tensor,  # [rows] int64 in [0, 2**32): each row's noise key (not read for greedy rows)
+    threshold: torch.Tensor | None = None,  # [rows] float32: sampled rows draw only logits >= it
 ) -> torch.Tensor:
     """One token id per row: ``argmax(softmax(logits / T) / q)``, or ``argmax(logits)`` where T = 0,
-    with ``q = hashed_exponential_noise(keys, vocab)``.
+    with ``q = hashed_exponential_noise(keys, vocab)``; with ``threshold``, a sampled row's
+    logits below its threshold are left out (top-k / top-p / min-p, already decided).
 
     With ``q ~ Exp(1)`` this draws from ``softmax(logits / T)`` (the exponential race); it is
     computed as ``argmax(logits / T - log(q))``, the same order without the softmax.
@@ -208,6 +210,8 @@ def sample_with_hashed_noise(
     x = logits.float()
     sampled = temperature > 0
     scores = x / torch.where(sampled, temperature, 1.0)[:, None] - hashed_exponential_noise(keys, x.shape[1]).log()
+    if threshold is not None:
+        scores = scores.masked_fill(x < threshold[:, None], float("-inf"))
     return torch.where(sampled[:, None], scores, x).argmax(dim=-1)
 
 

@@ -127,8 +127,9 @@ def _fmix32(h):
 
 
 @triton.jit
-def _sample_with_hashed_noise_kernel(logits_ptr, keys_ptr, temperature_ptr, best_ptr, best_col_ptr, vocab,
-                                     logits_stride, split_len, BLOCK: tl.constexpr):
+def _sample_with_hashed_noise_kernel(logits_ptr, keys_ptr, temperature_ptr, threshold_ptr, best_ptr, best_col_ptr,
+                                     vocab, logits_stride, split_len, HAS_THRESHOLD: tl.constexpr,
+                                     BLOCK: tl.constexpr):
     row, split = tl.program_id(0), tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     sampled = temperature > 0.0
@@ -147,6 +148,8 @@ def _sample_with_hashed_noise_kernel(logits_ptr, keys_ptr, temperature_ptr, best
             bits = _fmix32(key ^ _fmix32(cols.to(tl.uint32) ^ 0x9E3779B9)) >> 9
             q = -tl.log((bits.to(tl.float32) + 0.5) * 1.1920928955078125e-07)  # 2^-23
             score = x / divisor - tl.log(q)
+            if HAS_THRESHOLD:  # the row's top-k / top-p / min-p, one logit
+                score = tl.where(x >= tl.load(threshold_ptr + row), score, float("-inf"))
         else:
             score = x
         better = score > best  # strict: each lane keeps its first column among equals
@@ -170,13 +173,16 @@ def _pick_best_split_kernel(best_ptr, best_col_ptr, out_ptr, vocab, splits, BLOC
     tl.store(out_ptr + row, tl.minimum(col, vocab - 1).to(tl.int64))
 
 
-def sample_with_hashed_noise(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def sample_with_hashed_noise(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
+                             threshold: torch.Tensor | None = None) -> torch.Tensor:
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     if not rows:
         return out
-    # The kernel reads temperature[row] at row: a strided view (the sampler's params[:, 0]) is copied.
+    # The kernel reads temperature[row] (and threshold[row]) at row: a strided view (the sampler's
+    # params[:, 0]) is copied.
     temperature = temperature.contiguous()
+    threshold = None if threshold is None else threshold.contiguous()
     block = min(BLOCK, triton.next_power_of_2(vocab))
     # Each row's vocabulary is cut into column ranges that separate programs scan, as many as
     # fill the SMs when there are few rows; a second kernel picks the best of each row's ranges.
@@ -187,8 +193,9 @@ def sample_with_hashed_noise(logits: torch.Tensor, temperature: torch.Tensor, ke
     splits = triton.cdiv(vocab, split_len)
     best = torch.empty((rows, splits), dtype=torch.float32, device=logits.device)
     best_col = torch.empty((rows, splits), dtype=torch.int32, device=logits.device)
-    _sample_with_hashed_noise_kernel[(rows, splits)](logits, keys.contiguous(), temperature, best, best_col, vocab,
-                                                     logits.stride(0), split_len, BLOCK=block)
+    _sample_with_hashed_noise_kernel[(rows, splits)](logits, keys.contiguous(), temperature, threshold, best, best_col,
+                                                     vocab, logits.stride(0), split_len,
+                                                     HAS_THRESHOLD=threshold is not None, BLOCK=block)
     _pick_best_split_kernel[(rows,)](best, best_col, out, vocab, splits, BLOCK_S=triton.next_power_of_2(blocks))
     return out
 

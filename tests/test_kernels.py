@@ -282,6 +282,20 @@ def test_sample_with_hashed_noise_kernel_reads_each_row_temperature_from_a_strid
     assert torch.equal(triton_ops.sample_with_hashed_noise(logits, table[:, 0], keys), expected)
 
 
+def test_sample_with_hashed_noise_kernel_leaves_out_logits_below_each_row_threshold(sampler_splits):
+    """Row thresholds (the sampler's top-k / top-p / min-p): sampled rows draw only logits at or
+    above theirs, greedy rows ignore it; as the reference does, token for token."""
+    from hookllm.kernels import triton_ops
+
+    logits, temperature, keys = sampling_inputs(6, 5000, torch.float32)
+    threshold = logits.float().topk(3, dim=-1).values[:, 2]  # each row's third largest logit
+    expected = reference.sample_with_hashed_noise(logits, temperature, keys, threshold)
+    assert torch.equal(triton_ops.sample_with_hashed_noise(logits, temperature, keys, threshold), expected)
+    sampled = temperature > 0
+    assert (logits.gather(1, expected[:, None]).squeeze(1)[sampled] >= threshold[sampled]).all()
+    assert torch.equal(expected[~sampled], logits[~sampled].argmax(dim=-1))
+
+
 def test_sample_with_hashed_noise_kernel_picks_the_first_of_tied_maxima(sampler_splits):
     from hookllm.kernels import triton_ops
 

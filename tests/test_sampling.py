@@ -9,7 +9,7 @@ import torch
 from hookllm import SamplingParams, testing
 from hookllm.worker.batch import CachedRequestState
 from hookllm.kernels.reference import hashed_exponential_noise
-from hookllm.worker.sampler import apply_top_k_top_p_min_p, sample, seeded_row_keys
+from hookllm.worker.sampler import filter_thresholds, sample, seeded_row_keys
 
 PROMPTS = [[5, 9, 13, 200, 7], [42, 43, 44], [100] * 12]
 
@@ -84,8 +84,55 @@ def test_top_k_samples_only_the_k_most_likely():
 
 def test_filters_apply_per_row():
     logits = LOGITS.repeat(2, 1)
-    masked = apply_top_k_top_p_min_p(logits, torch.tensor([2, 0]), torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0]))
-    assert torch.isinf(masked[0]).sum() == 4 and torch.isfinite(masked[1]).all()
+    threshold = filter_thresholds(logits, torch.ones(2), torch.tensor([2, 0]), torch.ones(2), torch.zeros(2),
+                                  needed=2, any_top_p=False)
+    assert threshold.tolist() == [LOGITS[3].item(), float("-inf")]  # row 0 keeps 0.4 and 0.3
+
+
+def kept_by_sorting(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """The filters the slow way, as a mask: sort each row, keep the first ``top_k``, the prefix
+    while the mass before a token is below ``top_p``, the tokens of at least ``min_p`` times the
+    top probability, and always the top token."""
+    vocab = logits.shape[1]
+    values, order = logits.sort(dim=-1, descending=True)
+    probs = values.softmax(dim=-1)
+    ranks = torch.arange(vocab)[None, :]
+    keep = ranks < torch.where(top_k > 0, top_k, vocab)[:, None]
+    keep &= ((probs.cumsum(dim=-1) - probs) < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    keep[:, 0] = True
+    return torch.zeros_like(keep).scatter_(1, order, keep)
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", [
+    ([5, 0, 40, 1], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]),  # top-k alone, one row unfiltered
+    ([0, 0, 0, 0], [0.5, 0.9, 0.99, 1.0], [0.0, 0.0, 0.0, 0.0]),  # top-p alone: a sort of the vocabulary
+    ([50, 20, 3, 50], [0.9, 0.5, 0.95, 1.0], [0.0, 0.0, 0.0, 0.0]),  # top-p within top-k: topk only
+    ([0, 0, 0, 0], [1.0, 1.0, 1.0, 1.0], [0.05, 0.2, 0.5, 0.0]),  # min-p: no ranking at all
+    ([50, 0, 10, 0], [0.9, 1.0, 0.8, 1.0], [0.1, 0.05, 0.0, 0.0]),  # all three together
+])
+def test_filter_thresholds_keep_what_sorting_keeps(top_k, top_p, min_p):
+    """Random logits (no ties) at temperature 0.7: the thresholds keep exactly the sorted way's sets."""
+    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(sum(top_k))) * 3
+    temperature = torch.full((4,), 0.7)
+    k, p, m = torch.tensor(top_k), torch.tensor(top_p), torch.tensor(min_p)
+    alone = bool(((p < 1) & (k <= 0)).any())
+    threshold = filter_thresholds(logits, temperature, k, p, m, needed=3000 if alone else int(k.max()),
+                                  any_top_p=bool((p < 1).any()))
+    want = kept_by_sorting(logits / 0.7, k, p, m)
+    assert torch.equal(logits >= threshold[:, None], want)
+
+
+def test_sampler_draws_only_the_filtered_tokens_of_each_row():
+    """Through ``sample``: rows with top-k 2, top-p 0.71 and min-p 0.3 next to an unfiltered one."""
+    requests = _requests([SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.71),
+                          SamplingParams(temperature=1.0, min_p=0.3), SamplingParams(temperature=1.0)])
+    generator = torch.Generator().manual_seed(0)
+    drawn = [set() for _ in requests]
+    for _ in range(300):
+        for row, token in enumerate(sample(LOGITS.repeat(4, 1), requests, generator, [1] * 4).tolist()):
+            drawn[row].add(token)
+    assert drawn[:3] == [{1, 3}, {1, 3, 0}, {1, 3, 0}] and drawn[3] == set(range(6))
 
 
 def test_temperature_sampling_follows_the_distribution():

@@ -8,6 +8,10 @@ a seed gets a random key from the engine's generator; a request with a seed gets
 (seed, position of the token being sampled). Its noise depends on nothing else, so a seed gives
 the same tokens alone or in any batch, with sync or async scheduling, after a preemption, and
 on the CPU or CUDA.
+
+Top-k, top-p and min-p become one threshold logit per row (``filter_thresholds``), which the
+sampling kernel applies as it streams the logits: no masked copy of the logits is written, and
+the vocabulary is sorted only for a top-p without a top-k (else ``topk`` of the largest top-k).
 """
 
 from __future__ import annotations
@@ -34,26 +38,41 @@ def seeded_row_keys(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarra
     return absorb(keys, np.asarray(positions, dtype=np.int64))
 
 
-def apply_top_k_top_p_min_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+def filter_thresholds(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+    needed: int, any_top_p: bool,
 ) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k, nucleus top-p and min-p sets.
+    """Each row's smallest logit that its top-k, top-p and min-p filters keep (float32 ``[rows]``;
+    -inf keeps all): the filters act on ``softmax(logits / T)`` and keep exactly the tokens whose
+    logit is at least the threshold, ties at the boundary included. The top token always stays.
 
-    ``top_k`` <= 0 disables top-k for that row; ``top_p`` = 1 and ``min_p`` = 0 disable theirs.
-    """
-    vocab = logits.shape[-1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    remove = ranks >= k[:, None]
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    remove |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
-    remove |= sorted_probs < (min_p[:, None] * sorted_probs[:, :1])
-    remove[:, 0] = False  # the most likely token always stays
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+    ``top_k`` <= 0, ``top_p`` = 1 and ``min_p`` = 0 disable each (greedy rows get -inf).
+    ``any_top_p`` and ``needed`` are host values (no device sync): whether any row has a top-p,
+    and how many of each row's largest logits the
+    filters can need: the largest ``top_k`` when every row with a top-p also has a top-k (its
+    nucleus then lies within it, so the thresholds need no sort of the vocabulary), the
+    vocabulary when some row's top-p stands alone, 0 when only min-p is asked for. min-p needs no
+    ranking at all: ``p >= min_p * p_max`` is ``logit >= max + T * log(min_p)``."""
+    rows, vocab = logits.shape
+    scale = torch.where(temperature > 0, temperature, 1.0)
+    none = torch.full((rows,), float("-inf"), device=logits.device)
+    if needed:
+        values = logits.topk(min(needed, vocab), dim=-1).values.float()  # largest first
+        top = values[:, 0]
+        k = torch.where(top_k > 0, top_k.clamp(max=values.shape[1]), values.shape[1])
+        threshold = torch.where(top_k > 0, values.gather(1, (k - 1)[:, None]).squeeze(1), none)
+        if any_top_p:
+            # The nucleus: the largest logits while the mass before each is below top_p.
+            log_total = torch.logsumexp(logits.float() / scale[:, None], dim=-1)
+            probs = torch.exp(values / scale[:, None] - log_total[:, None])
+            kept = ((probs.cumsum(dim=-1) - probs) < top_p[:, None]).sum(dim=-1).clamp(min=1)
+            nucleus = values.gather(1, (kept - 1)[:, None]).squeeze(1)
+            threshold = torch.where(top_p < 1.0, torch.maximum(threshold, nucleus), threshold)
+    else:
+        top, threshold = logits.max(dim=-1).values.float(), none
+    above_min_p = top + scale * torch.log(min_p)  # -inf where min_p = 0
+    threshold = torch.where(min_p > 0.0, torch.maximum(threshold, above_min_p), threshold)
+    return torch.where(temperature > 0, threshold, none)
 
 
 def sample(logits: torch.Tensor, requests: Sequence[CachedRequestState], generator: torch.Generator | None,
@@ -67,14 +86,21 @@ def sample(logits: torch.Tensor, requests: Sequence[CachedRequestState], generat
     )
     if bool((params[:, 0] == 0.0).all()):
         return logits.argmax(dim=-1)
-    needs_filter = bool(((params[:, 1] > 0) | (params[:, 2] < 1.0) | (params[:, 3] > 0.0)).any())
+    # Which filters the sampled rows ask for, decided on the host table.
+    sampled = params[:, 0] > 0
+    top_k = torch.where(sampled, params[:, 1], 0.0)
+    has_top_p, has_min_p = (params[:, 2] < 1.0) & sampled, (params[:, 3] > 0.0) & sampled
+    if bool((has_top_p & (top_k <= 0)).any()):
+        needed = logits.shape[1]  # a nucleus without a top-k: every logit may count
+    else:
+        needed = int(top_k.max())
+    any_top_p = bool(has_top_p.any())
     params = to_device_async(params, logits.device)
     temperature = params[:, 0]
-    if needs_filter:
-        # Filter the temperature-scaled distribution, then race at temperature 1 (greedy rows stay 0).
-        scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
-        logits = apply_top_k_top_p_min_p(scaled, params[:, 1].long(), params[:, 2], params[:, 3])
-        temperature = (temperature > 0).float()
+    threshold = None
+    if needed or bool(has_min_p.any()):
+        threshold = filter_thresholds(logits, temperature, params[:, 1].long(), params[:, 2], params[:, 3], needed,
+                                      any_top_p)
     # Each row's noise is hashed from a 32-bit key inside the sampling kernel: a random key for
     # a row without a seed (the engine's generator), the hash of (seed, position) for a seeded one.
     keys = torch.randint(0, 2**32, (len(requests),), generator=generator, device=logits.device)
@@ -86,4 +112,4 @@ def sample(logits: torch.Tensor, requests: Sequence[CachedRequestState], generat
         table = to_device_async(torch.from_numpy(np.stack([np.asarray(rows, dtype=np.int64),
                                                            seeded_row_keys(seeds, seeded_positions)])), keys.device)
         keys.index_copy_(0, table[0], table[1])
-    return ops_for(logits).sample_with_hashed_noise(logits, temperature, keys)
+    return ops_for(logits).sample_with_hashed_noise(logits, temperature, keys, threshold)
