@@ -48,11 +48,11 @@ def filter_thresholds(
 
     ``top_k`` <= 0, ``top_p`` = 1 and ``min_p`` = 0 disable each (greedy rows get -inf).
     ``any_top_p`` and ``needed`` are host values (no device sync): whether any row has a top-p,
-    and how many of each row's largest logits the
-    filters can need: the largest ``top_k`` when every row with a top-p also has a top-k (its
-    nucleus then lies within it, so the thresholds need no sort of the vocabulary), the
-    vocabulary when some row's top-p stands alone, 0 when only min-p is asked for. min-p needs no
-    ranking at all: ``p >= min_p * p_max`` is ``logit >= max + T * log(min_p)``."""
+    and how many of each row's largest logits the filters can need. That is the largest
+    ``top_k`` when every row with a top-p also has a top-k (its nucleus, cut by its top-k, then
+    lies within them: no sort of the vocabulary), the vocabulary when some row's top-p stands
+    alone, and 0 when only min-p is asked for, which needs no ranking: ``p >= min_p * p_max``
+    is ``logit >= max + T * log(min_p)``."""
     rows, vocab = logits.shape
     scale = torch.where(temperature > 0, temperature, 1.0)
     none = torch.full((rows,), float("-inf"), device=logits.device)
