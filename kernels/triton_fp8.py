@@ -88,15 +88,15 @@ MIN_SPLIT_STEPS = 16
 MAX_SPLIT_K = 16
 
 
-def default_config(rows: int, outputs: int = 0, columns: int = 0, num_sms: int = 0) -> MatmulConfig:
+def default_config(rows: int, outputs: int = 0, columns: int = 0, sm_count: int = 0) -> MatmulConfig:
     """The launch configuration of ``rows`` x ``columns`` activations by ``outputs`` x ``columns``
-    weights on a GPU of ``num_sms`` SMs (0: no split)."""
+    weights on a GPU of ``sm_count`` SMs (0: no split)."""
     config = next(config for bound, config in _CONFIGS_BY_ROWS if rows <= bound)
     tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(outputs, config.block_n)
-    if not num_sms or not tiles:
+    if not sm_count or not tiles:
         return config
     split = 1
-    while (split * 2 <= MAX_SPLIT_K and tiles * split * 2 <= SPLIT_PROGRAMS_PER_SM * num_sms
+    while (split * 2 <= MAX_SPLIT_K and tiles * split * 2 <= SPLIT_PROGRAMS_PER_SM * sm_count
            and columns // (split * 2 * config.block_k) >= MIN_SPLIT_STEPS):
         split *= 2
     return dataclasses.replace(config, split_k=split)

@@ -312,15 +312,6 @@ def test_quantization_fp8_quantizes_each_experts_rows_at_load(checkpoints):
     assert 0 < logprob_distance(llm, reference) < QUANTIZATION_TOLERANCE
 
 
-def test_wrong_shaped_expert_scale_is_an_error_naming_the_tensor(checkpoints, tmp_path):
-    name = "model.layers.0.mlp.experts.1.down_proj.weight_scale_inv"
-    tensors = {**checkpoints["moe-block-tensors"], name: checkpoints["moe-block-tensors"][name][:, :1].contiguous()}
-    path = save(tensors, json.loads((checkpoints["moe-block"] / "config.json").read_text()), tmp_path / "bad")
-    with pytest.raises(ValueError, match=rf"checkpoint tensor {name}: expert down projection's weight scale: "
-                                         r"checkpoint shape \(4, 1\) != expected \(4, 4\)"):
-        make_llm(path)
-
-
 # -- errors -------------------------------------------------------------------------------------------
 def edited_config(source: Path, path: Path, **quantization: Any) -> Path:
     config = json.loads((source / "config.json").read_text())
@@ -343,12 +334,26 @@ def test_int4_compressed_tensors_is_refused_naming_the_bits(checkpoints, tmp_pat
         make_llm(path)
 
 
+def with_first_scale_column(checkpoints: dict[str, Any], checkpoint: str, name: str, path: Path) -> Path:
+    """``checkpoint`` saved again with its scale tensor ``name`` cut to its first column."""
+    tensors = checkpoints[checkpoint + "-tensors"]
+    return save({**tensors, name: tensors[name][:, :1].contiguous()},
+                json.loads((checkpoints[checkpoint] / "config.json").read_text()), path)
+
+
 def test_wrong_shaped_scale_is_an_error_naming_the_tensor(checkpoints, tmp_path):
     name = "model.layers.1.mlp.down_proj.weight_scale_inv"
-    tensors = {**checkpoints["hf-block-tensors"], name: checkpoints["hf-block-tensors"][name][:, :1].contiguous()}
-    path = save(tensors, json.loads((checkpoints["hf-block"] / "config.json").read_text()), tmp_path / "bad")
+    path = with_first_scale_column(checkpoints, "hf-block", name, tmp_path / "bad")
     with pytest.raises(ValueError, match=rf"checkpoint tensor {name}: RowParallelLinear: checkpoint shape "
                                          r"\(4, 1\) != expected \(4, 4\)"):
+        make_llm(path)
+
+
+def test_wrong_shaped_expert_scale_is_an_error_naming_the_tensor(checkpoints, tmp_path):
+    name = "model.layers.0.mlp.experts.1.down_proj.weight_scale_inv"
+    path = with_first_scale_column(checkpoints, "moe-block", name, tmp_path / "bad")
+    with pytest.raises(ValueError, match=rf"checkpoint tensor {name}: expert down projection's weight scale: "
+                                         r"checkpoint shape \(4, 1\) != expected \(4, 4\)"):
         make_llm(path)
 
 

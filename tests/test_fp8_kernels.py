@@ -109,10 +109,10 @@ def test_default_config_splits_k_only_while_the_tiles_leave_the_sms_idle():
     16 steps gives 4; 4096 columns (32 steps) stop at 2; 28672 outputs (896 tiles) fill the GPU."""
     from hookllm.kernels import triton_fp8
 
-    assert triton_fp8.default_config(1, 4096, 14336, num_sms=132).split_k == 4
-    assert triton_fp8.default_config(1, 4096, 4096, num_sms=132).split_k == 2
-    assert triton_fp8.default_config(1, 4096, 2048, num_sms=132).split_k == 1
-    assert triton_fp8.default_config(1, 28672, 4096, num_sms=132).split_k == 1
+    assert triton_fp8.default_config(1, 4096, 14336, sm_count=132).split_k == 4
+    assert triton_fp8.default_config(1, 4096, 4096, sm_count=132).split_k == 2
+    assert triton_fp8.default_config(1, 4096, 2048, sm_count=132).split_k == 1
+    assert triton_fp8.default_config(1, 28672, 4096, sm_count=132).split_k == 1
     assert triton_fp8.default_config(1, 4096, 14336).split_k == 1  # no GPU, no split
 
 
