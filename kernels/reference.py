@@ -215,6 +215,65 @@ def sample_with_hashed_noise(
     return torch.where(sampled[:, None], scores, x).argmax(dim=-1)
 
 
+def filter_thresholds(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+    needed: int, any_top_p: bool,
+) -> torch.Tensor:
+    """Each row's smallest logit that its top-k, top-p and min-p filters keep (float32 ``[rows]``;
+    -inf keeps all): the filters act on ``softmax(logits / T)`` and keep exactly the tokens whose
+    logit is at least the threshold, ties at the boundary included. The top token always stays.
+
+    ``top_k`` <= 0, ``top_p`` = 1 and ``min_p`` = 0 disable each (greedy rows get -inf).
+    ``any_top_p`` and ``needed`` are host values (no device sync): whether any row has a top-p,
+    and how many of each row's largest logits the filters can need. That is the largest
+    ``top_k`` when every row with a top-p also has a top-k (its nucleus, cut by its top-k, then
+    lies within them: no sort of the vocabulary), the vocabulary when some row's top-p stands
+    alone, and 0 when only min-p is asked for, which needs no ranking: ``p >= min_p * p_max``
+    is ``logit >= max + T * log(min_p)``."""
+    rows, vocab = logits.shape
+    scale = torch.where(temperature > 0, temperature, 1.0)
+    none = torch.full((rows,), float("-inf"), device=logits.device)
+    if needed:
+        values = logits.topk(min(needed, vocab), dim=-1).values.float()  # largest first
+        top = values[:, 0]
+        k = torch.where(top_k > 0, top_k.clamp(max=values.shape[1]), values.shape[1])
+        threshold = torch.where(top_k > 0, values.gather(1, (k - 1)[:, None]).squeeze(1), none)
+        if any_top_p:
+            # The nucleus: the largest logits while the mass before each is below top_p.
+            log_total = torch.logsumexp(logits.float() / scale[:, None], dim=-1)
+            probs = torch.exp(values / scale[:, None] - log_total[:, None])
+            kept = ((probs.cumsum(dim=-1) - probs) < top_p[:, None]).sum(dim=-1).clamp(min=1)
+            nucleus = values.gather(1, (kept - 1)[:, None]).squeeze(1)
+            threshold = torch.where(top_p < 1.0, torch.maximum(threshold, nucleus), threshold)
+    else:
+        top, threshold = logits.max(dim=-1).values.float(), none
+    above_min_p = top + scale * torch.log(min_p)  # -inf where min_p = 0
+    threshold = torch.where(min_p > 0.0, torch.maximum(threshold, above_min_p), threshold)
+    return torch.where(temperature > 0, threshold, none)
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [rows, vocab] float32, modified in place
+    rows: torch.Tensor,  # [n] long: the logits rows to adjust
+    slots: torch.Tensor,  # [n] long: each row's slot in the tables below
+    bias: torch.Tensor,  # [slots, vocab] float32: added first (logit bias, -inf for banned tokens)
+    counts: torch.Tensor,  # [slots, vocab] int32: how often each token was generated
+    prompt_mask: torch.Tensor,  # [slots, vocab] bool: the tokens of the prompt
+    penalties: torch.Tensor,  # [slots, 3] float32: presence, frequency, repetition
+) -> None:
+    """vLLM's order: the bias, then the repetition penalty on every token seen in the prompt or
+    the output (positive logits divided by it, negative ones multiplied), then the frequency
+    penalty times each token's count and the presence penalty once for each generated token."""
+    x = logits[rows] + bias[slots]
+    row_counts = counts[slots]
+    presence, frequency, repetition = penalties[slots].unbind(dim=1)
+    seen = prompt_mask[slots] | (row_counts > 0)
+    repeated = torch.where(x > 0, x / repetition[:, None], x * repetition[:, None])
+    x = torch.where(seen, repeated, x)
+    x -= frequency[:, None] * row_counts + presence[:, None] * (row_counts > 0)
+    logits[rows] = x
+
+
 def apply_token_bitmask(
     logits: torch.Tensor,  # [rows, vocab], modified in place
     bitmask: torch.Tensor,  # [k, words] int32: bit j of word i allows token 32 * i + j

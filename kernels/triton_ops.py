@@ -200,6 +200,189 @@ def sample_with_hashed_noise(logits: torch.Tensor, temperature: torch.Tensor, ke
     return out
 
 
+# The filter kernel's lanes: lane j keeps the largest logit of columns j, j + FILTER_LANES, ...;
+# the k-th largest of those maxima is a lower bound on the row's k-th largest logit, and few
+# logits lie above it. Up to FILTER_CAPACITY of them are sorted in registers.
+FILTER_LANES = 1024
+FILTER_CAPACITY = 1024
+FILTER_TOP_P_RANK = 256  # a top-p without a top-k first looks for its nucleus among this many
+FILTER_PIVOTS = 16  # keys tried per pass of the exact search, when the candidates do not suffice
+FILTER_SEARCH_LANES = 256
+FILTER_WARPS = 4
+
+
+@triton.jit
+def _flip(bits):
+    # float32 bits <-> int32 keys of the same order (an involution).
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _order_key(x):
+    return _flip(x.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _key_value(key):
+    return _flip(key.to(tl.int32)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _search_threshold(row_ptr, vocab, lo, hi, top, divisor, target, BY_MASS: tl.constexpr,
+                      PIVOTS: tl.constexpr, LANES: tl.constexpr):
+    # The smallest logit t of the row with S(t) < target, where S(t) counts the logits above t
+    # (or sums their exp((x - top) / T)): given keys lo, hi with S(lo) >= target > S(hi), each
+    # pass over the row evaluates S at PIVOTS evenly spaced keys and keeps the bracketing pair,
+    # until the keys are adjacent: then hi is a logit of the row (S drops there).
+    steps = tl.arange(0, PIVOTS).to(tl.int64)
+    lo = lo.to(tl.int64)
+    hi = hi.to(tl.int64)
+    while hi - lo > 1:
+        keys = lo + ((hi - lo) * steps) // PIVOTS
+        pivots = _key_value(keys)
+        above = tl.zeros([PIVOTS], tl.float32)
+        for start in range(0, vocab, LANES):
+            cols = start + tl.arange(0, LANES)
+            x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+            if BY_MASS:
+                weight = tl.exp((x - top) / divisor)
+            else:
+                weight = tl.full([LANES], 1.0, tl.float32)
+            above += tl.sum(tl.where(x[None, :] > pivots[:, None], weight[None, :], 0.0), axis=1)
+        below = above < target
+        lo = tl.max(tl.where(below, lo, keys), axis=0)
+        hi = tl.minimum(hi, tl.min(tl.where(below, keys, hi), axis=0))
+    return _key_value(hi)
+
+
+@triton.jit
+def _filter_thresholds_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, candidates_ptr, out_ptr,
+                              vocab, logits_stride, RANKS: tl.constexpr, TOP_P: tl.constexpr, LANES: tl.constexpr,
+                              CAPACITY: tl.constexpr, TOP_P_RANK: tl.constexpr, PIVOTS: tl.constexpr,
+                              SEARCH_LANES: tl.constexpr):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row * logits_stride
+    temperature = tl.load(temperature_ptr + row)
+    divisor = tl.where(temperature > 0.0, temperature, 1.0)
+    top_k = tl.load(top_k_ptr + row).to(tl.int32)
+    top_p = tl.load(top_p_ptr + row)
+    min_p = tl.load(min_p_ptr + row)
+    neg_inf = tl.full([], float("-inf"), tl.float32)
+    threshold = neg_inf
+    if (temperature > 0.0) & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0)):
+        # Pass 1: each lane's maximum and, for top-p, its mass (an online softmax).
+        lanes = tl.arange(0, LANES)
+        lane_max = tl.full([LANES], float("-inf"), tl.float32)
+        lane_mass = tl.zeros([LANES], tl.float32)
+        for start in range(0, vocab, LANES):
+            cols = start + lanes
+            x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(lane_max, x)
+            if TOP_P:
+                base = tl.where(new_max > float("-inf"), new_max, 0.0)  # all -inf so far: no mass
+                lane_mass = lane_mass * tl.exp((lane_max - base) / divisor) + tl.exp((x - base) / divisor)
+            lane_max = new_max
+        top = tl.max(lane_max, axis=0)
+        mass = tl.sum(lane_mass * tl.exp((lane_max - top) / divisor), axis=0)
+        if RANKS:
+            if (top_k > 0) | (top_p < 1.0):
+                # Pass 2: the candidates, every finite logit at or above the lane maxima's
+                # rank-th largest (rank > LANES: every finite logit).
+                rank = tl.where(top_k > 0, top_k, TOP_P_RANK)
+                ranked = tl.sort(lane_max, descending=True)
+                bound = tl.max(tl.where(lanes == rank - 1, ranked, float("-inf")), axis=0)
+                count = 0
+                for start in range(0, vocab, LANES):
+                    cols = start + lanes
+                    x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+                    take = (x >= bound) & (x > float("-inf"))
+                    slot = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
+                    tl.store(candidates_ptr + row * CAPACITY + slot, x, mask=take & (slot < CAPACITY))
+                    count += tl.sum(take.to(tl.int32), axis=0)
+                tl.debug_barrier()  # the candidates are read back by other threads of the program
+                if count <= CAPACITY:
+                    slots = tl.arange(0, CAPACITY)
+                    values = tl.load(candidates_ptr + row * CAPACITY + slots, mask=slots < count, other=float("-inf"))
+                    values = tl.sort(values, descending=True)
+                    # The k-th largest (-inf when fewer than k logits are finite).
+                    threshold = tl.max(tl.where(slots == top_k - 1, values, float("-inf")), axis=0)
+                    if TOP_P:
+                        if top_p < 1.0:
+                            probs = tl.exp((values - top) / divisor)
+                            kept = tl.sum(((tl.cumsum(probs, axis=0) - probs) < top_p * mass).to(tl.int32), axis=0)
+                            kept = tl.maximum(kept, 1)
+                            # The nucleus lies among the candidates unless all of them are kept and
+                            # finite logits below them remain; a top-k bounds it anyway.
+                            if (top_k > 0) | (kept < count) | (bound == float("-inf")):
+                                nucleus = tl.max(tl.where(slots == kept - 1, values, float("-inf")), axis=0)
+                            else:
+                                lowest = tl.max(tl.where(slots == count - 1, values, float("-inf")), axis=0)
+                                nucleus = _search_threshold(row_ptr, vocab, _order_key(neg_inf),
+                                                            _order_key(lowest), top, divisor, top_p * mass,
+                                                            True, PIVOTS, SEARCH_LANES)
+                            threshold = tl.maximum(threshold, nucleus)
+                else:
+                    # Too many candidates (many logits near the k-th, or k > LANES): exact searches.
+                    if top_k > 0:
+                        if count >= top_k:
+                            lo = tl.where(bound > float("-inf"), _order_key(bound) - 1, _order_key(bound))
+                            threshold = _search_threshold(row_ptr, vocab, lo, _order_key(top), top, divisor,
+                                                          top_k.to(tl.float32), False, PIVOTS, SEARCH_LANES)
+                    if TOP_P:
+                        if top_p < 1.0:
+                            nucleus = _search_threshold(row_ptr, vocab, _order_key(neg_inf), _order_key(top),
+                                                        top, divisor, top_p * mass, True, PIVOTS, SEARCH_LANES)
+                            threshold = tl.maximum(threshold, nucleus)
+        if min_p > 0.0:
+            threshold = tl.maximum(threshold, top + divisor * tl.log(min_p))
+    tl.store(out_ptr + row, threshold)
+
+
+def filter_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      min_p: torch.Tensor, needed: int, any_top_p: bool) -> torch.Tensor:
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        candidates = torch.empty((rows, FILTER_CAPACITY) if needed else (1,), dtype=torch.float32,
+                                 device=logits.device)
+        _filter_thresholds_kernel[(rows,)](
+            logits, temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), min_p.contiguous(), candidates,
+            out, vocab, logits.stride(0), RANKS=needed > 0, TOP_P=any_top_p, LANES=FILTER_LANES,
+            CAPACITY=FILTER_CAPACITY, TOP_P_RANK=FILTER_TOP_P_RANK, PIVOTS=FILTER_PIVOTS,
+            SEARCH_LANES=FILTER_SEARCH_LANES, num_warps=FILTER_WARPS)
+    return out
+
+
+@triton.jit
+def _apply_penalties_kernel(logits_ptr, rows_ptr, slots_ptr, bias_ptr, counts_ptr, prompt_mask_ptr, penalties_ptr,
+                            vocab, logits_stride, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_vocab = cols < vocab
+    row = tl.load(rows_ptr + i)
+    slot = tl.load(slots_ptr + i)
+    table = slot * vocab + cols
+    x = tl.load(logits_ptr + row * logits_stride + cols, mask=in_vocab) + tl.load(bias_ptr + table, mask=in_vocab)
+    count = tl.load(counts_ptr + table, mask=in_vocab, other=0)
+    presence = tl.load(penalties_ptr + slot * 3)
+    frequency = tl.load(penalties_ptr + slot * 3 + 1)
+    repetition = tl.load(penalties_ptr + slot * 3 + 2)
+    seen = (tl.load(prompt_mask_ptr + table, mask=in_vocab, other=0) != 0) | (count > 0)
+    x = tl.where(seen, tl.where(x > 0, x / repetition, x * repetition), x)
+    x -= frequency * count.to(tl.float32) + presence * (count > 0).to(tl.float32)
+    tl.store(logits_ptr + row * logits_stride + cols, x, mask=in_vocab)
+
+
+def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, bias: torch.Tensor,
+                    counts: torch.Tensor, prompt_mask: torch.Tensor, penalties: torch.Tensor) -> None:
+    vocab = logits.shape[1]
+    block = min(1024, triton.next_power_of_2(vocab))
+    if rows.numel():
+        _apply_penalties_kernel[(rows.numel(), triton.cdiv(vocab, block))](
+            logits, rows, slots, bias, counts, prompt_mask.view(torch.uint8), penalties, vocab, logits.stride(0),
+            BLOCK=block)
+
+
 @triton.jit
 def _apply_token_bitmask_kernel(logits_ptr, bitmask_ptr, rows_ptr, vocab, words, logits_stride, BLOCK: tl.constexpr):
     k = tl.program_id(0)

@@ -305,6 +305,73 @@ def test_sample_with_hashed_noise_kernel_picks_the_first_of_tied_maxima(sampler_
     assert triton_ops.sample_with_hashed_noise(logits, temperature, keys).tolist() == [5, 5]
 
 
+@pytest.fixture
+def small_filter_lanes(monkeypatch):
+    """The filter kernel with 64 lanes and room for 64 candidates, so that rows of a few hundred
+    logits take each of its paths: candidates, too many candidates, a nucleus beyond them."""
+    from hookllm.kernels import triton_ops
+
+    for name, value in [("FILTER_LANES", 64), ("FILTER_CAPACITY", 64), ("FILTER_TOP_P_RANK", 16),
+                        ("FILTER_SEARCH_LANES", 64)]:
+        monkeypatch.setattr(triton_ops, name, value)
+
+
+FILTER_CASES = {
+    "top-k among the candidates": dict(top_k=[5, 0, 40, 1]),
+    "top-k above the lanes: exact search": dict(top_k=[100, 65, 300, 2]),
+    "top-p within its candidates": dict(top_p=[0.5, 0.9, 0.99, 1.0]),
+    "top-p beyond its candidates: exact search": dict(top_p=[0.5, 0.9, 0.99, 0.3], spread=0.05),
+    "top-p within top-k": dict(top_k=[50, 20, 3, 50], top_p=[0.9, 0.5, 0.95, 1.0]),
+    "min-p": dict(min_p=[0.05, 0.2, 0.5, 0.0]),
+    "all three, a greedy row": dict(top_k=[50, 0, 10, 0], top_p=[0.9, 1.0, 0.8, 0.7], min_p=[0.1, 0.05, 0.0, 0.0],
+                                    greedy_row=1),
+    "many ties": dict(top_k=[5, 30, 0, 0], top_p=[1.0, 0.9, 0.6, 0.95], ties=True),
+    "few finite logits": dict(top_k=[50, 5, 0, 0], top_p=[0.9, 1.0, 0.5, 1.0], min_p=[0.0, 0.0, 0.0, 0.1], finite=10),
+}
+
+
+@pytest.mark.parametrize("case", FILTER_CASES.values(), ids=FILTER_CASES.keys())
+def test_filter_thresholds_kernel_keeps_what_the_reference_keeps(case, small_filter_lanes):
+    from hookllm.kernels import triton_ops
+
+    gen = torch.Generator().manual_seed(len(FILTER_CASES))
+    logits = torch.randn(4, 500, generator=gen) * 3 * case.get("spread", 1.0)
+    if case.get("ties"):
+        logits = logits.round()
+    if "finite" in case:
+        logits[:, case["finite"]:] = float("-inf")  # as a structured-output mask leaves them
+    temperature = torch.full((4,), 0.7)
+    temperature[case.get("greedy_row", 4):case.get("greedy_row", 4) + 1] = 0.0
+    top_k = torch.tensor(case.get("top_k", [0] * 4))
+    top_p = torch.tensor(case.get("top_p", [1.0] * 4))
+    min_p = torch.tensor(case.get("min_p", [0.0] * 4))
+    has_top_p = top_p < 1.0
+    needed = 500 if bool((has_top_p & (top_k <= 0)).any()) else int(top_k.max())
+    args = (logits, temperature, top_k, top_p, min_p, needed, bool(has_top_p.any()))
+    want = logits >= reference.filter_thresholds(*args)[:, None]
+    assert torch.equal(logits >= triton_ops.filter_thresholds(*args)[:, None], want)
+
+
+def test_apply_penalties_kernel_matches_reference():
+    from hookllm.kernels import triton_ops
+
+    gen = torch.Generator().manual_seed(0)
+    slots, vocab = 4, 300
+    bias = torch.zeros(slots, vocab)
+    bias[1, ::5] = float("-inf")
+    bias[2, :7] = 2.5
+    counts = torch.randint(0, 3, (slots, vocab), generator=gen, dtype=torch.int32)
+    prompt_mask = torch.rand(slots, vocab, generator=gen) < 0.1
+    penalties = torch.tensor([[0.5, 0.2, 1.3], [0.0, 0.0, 1.0], [1.0, 0.0, 0.8], [0.0, 0.7, 1.7]])
+    logits = torch.randn(5, vocab, generator=gen) * 3
+    rows, row_slots = torch.tensor([4, 0, 2]), torch.tensor([3, 1, 0])
+    expected = logits.clone()
+    reference.apply_penalties(expected, rows, row_slots, bias, counts, prompt_mask, penalties)
+    triton_ops.apply_penalties(logits, rows, row_slots, bias, counts, prompt_mask, penalties)
+    torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(logits[[1, 3]], expected[[1, 3]])  # rows without a slot are left alone
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add-and-norm"])
 def test_rms_norm_kernel_matches_reference(dtype, with_residual):

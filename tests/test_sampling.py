@@ -9,7 +9,8 @@ import torch
 from hookllm import SamplingParams, testing
 from hookllm.worker.batch import CachedRequestState
 from hookllm.kernels.reference import hashed_exponential_noise
-from hookllm.worker.sampler import filter_thresholds, sample, seeded_row_keys
+from hookllm.kernels.reference import filter_thresholds
+from hookllm.worker.sampler import sample, seeded_row_keys
 
 PROMPTS = [[5, 9, 13, 200, 7], [42, 43, 44], [100] * 12]
 

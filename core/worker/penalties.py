@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hookllm.kernels import ops_for
 from hookllm.worker.batch import Batch, CachedRequestState
 from hookllm.utils import to_device_async
 
@@ -71,14 +72,8 @@ class LogitsAdjuster:
             return None
         index = to_device_async(torch.tensor(rows + slots, dtype=torch.long), self.device)
         adjusted = AdjustedRows(index[:len(rows)], index[len(rows):])
-        x = logits[adjusted.rows] + self.bias[adjusted.slots]
-        counts = self.counts[adjusted.slots]
-        presence, frequency, repetition = self.penalties[adjusted.slots].unbind(dim=1)
-        seen = self.prompt_mask[adjusted.slots] | (counts > 0)
-        repeated = torch.where(x > 0, x / repetition[:, None], x * repetition[:, None])
-        x = torch.where(seen, repeated, x)
-        x -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
-        logits[adjusted.rows] = x
+        ops_for(logits).apply_penalties(logits, adjusted.rows, adjusted.slots, self.bias, self.counts,
+                                         self.prompt_mask, self.penalties)
         if self.bad_words:
             self._ban_bad_words(logits, batch)
         return adjusted

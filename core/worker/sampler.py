@@ -38,43 +38,6 @@ def seeded_row_keys(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarra
     return absorb(keys, np.asarray(positions, dtype=np.int64))
 
 
-def filter_thresholds(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-    needed: int, any_top_p: bool,
-) -> torch.Tensor:
-    """Each row's smallest logit that its top-k, top-p and min-p filters keep (float32 ``[rows]``;
-    -inf keeps all): the filters act on ``softmax(logits / T)`` and keep exactly the tokens whose
-    logit is at least the threshold, ties at the boundary included. The top token always stays.
-
-    ``top_k`` <= 0, ``top_p`` = 1 and ``min_p`` = 0 disable each (greedy rows get -inf).
-    ``any_top_p`` and ``needed`` are host values (no device sync): whether any row has a top-p,
-    and how many of each row's largest logits the filters can need. That is the largest
-    ``top_k`` when every row with a top-p also has a top-k (its nucleus, cut by its top-k, then
-    lies within them: no sort of the vocabulary), the vocabulary when some row's top-p stands
-    alone, and 0 when only min-p is asked for, which needs no ranking: ``p >= min_p * p_max``
-    is ``logit >= max + T * log(min_p)``."""
-    rows, vocab = logits.shape
-    scale = torch.where(temperature > 0, temperature, 1.0)
-    none = torch.full((rows,), float("-inf"), device=logits.device)
-    if needed:
-        values = logits.topk(min(needed, vocab), dim=-1).values.float()  # largest first
-        top = values[:, 0]
-        k = torch.where(top_k > 0, top_k.clamp(max=values.shape[1]), values.shape[1])
-        threshold = torch.where(top_k > 0, values.gather(1, (k - 1)[:, None]).squeeze(1), none)
-        if any_top_p:
-            # The nucleus: the largest logits while the mass before each is below top_p.
-            log_total = torch.logsumexp(logits.float() / scale[:, None], dim=-1)
-            probs = torch.exp(values / scale[:, None] - log_total[:, None])
-            kept = ((probs.cumsum(dim=-1) - probs) < top_p[:, None]).sum(dim=-1).clamp(min=1)
-            nucleus = values.gather(1, (kept - 1)[:, None]).squeeze(1)
-            threshold = torch.where(top_p < 1.0, torch.maximum(threshold, nucleus), threshold)
-    else:
-        top, threshold = logits.max(dim=-1).values.float(), none
-    above_min_p = top + scale * torch.log(min_p)  # -inf where min_p = 0
-    threshold = torch.where(min_p > 0.0, torch.maximum(threshold, above_min_p), threshold)
-    return torch.where(temperature > 0, threshold, none)
-
-
 def sample(logits: torch.Tensor, requests: Sequence[CachedRequestState], generator: torch.Generator | None,
            positions: Sequence[int]) -> torch.Tensor:
     """One token id per row of ``logits`` for the matching request in ``requests``; ``positions``
@@ -96,10 +59,11 @@ def sample(logits: torch.Tensor, requests: Sequence[CachedRequestState], generat
         needed = int(top_k.max())
     any_top_p = bool(has_top_p.any())
     params = to_device_async(params, logits.device)
+    ops = ops_for(logits)
     temperature = params[:, 0]
     threshold = None
     if needed or bool(has_min_p.any()):
-        threshold = filter_thresholds(logits, temperature, params[:, 1].long(), params[:, 2], params[:, 3], needed,
+        threshold = ops.filter_thresholds(logits, temperature, params[:, 1].long(), params[:, 2], params[:, 3], needed,
                                       any_top_p)
     # Each row's noise is hashed from a 32-bit key inside the sampling kernel: a random key for
     # a row without a seed (the engine's generator), the hash of (seed, position) for a seeded one.
@@ -112,4 +76,4 @@ def sample(logits: torch.Tensor, requests: Sequence[CachedRequestState], generat
         table = to_device_async(torch.from_numpy(np.stack([np.asarray(rows, dtype=np.int64),
                                                            seeded_row_keys(seeds, seeded_positions)])), keys.device)
         keys.index_copy_(0, table[0], table[1])
-    return ops_for(logits).sample_with_hashed_noise(logits, temperature, keys, threshold)
+    return ops.sample_with_hashed_noise(logits, temperature, keys, threshold)

@@ -166,6 +166,48 @@ def test_sample_with_hashed_noise_at_a_llama3_vocab_in_bf16(rows):
     assert torch.equal(got[::4], logits[::4].argmax(dim=-1))
 
 
+@pytest.mark.parametrize("spread", [4.0, 0.5], ids=["peaked", "flat"])
+def test_filter_thresholds_at_a_llama3_vocab(spread):
+    """256 rows of float32 logits (as the sampler gets them), each with its own mix of top-k,
+    top-p and min-p: the kernel keeps the reference's tokens. Ranks are exact; a nucleus's edge
+    sums float32 masses in another order, so a row in a hundred may differ there."""
+    from hookllm.kernels import triton_ops
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    rows, vocab = 256, 128256
+    logits = torch.randn(rows, vocab, device=DEVICE, generator=gen) * spread
+    logits[::9, 1000:] = float("-inf")  # rows that a structured-output mask has narrowed
+    pick = lambda values: torch.tensor(values, device=DEVICE)[torch.arange(rows, device=DEVICE) % len(values)]  # noqa: E731
+    temperature = pick([0.0, 0.7, 1.0, 1.3])
+    top_k, top_p, min_p = pick([0, 50, 1, 0, 2000, 20]), pick([1.0, 0.9, 0.95, 0.5, 1.0]), pick([0.0, 0.0, 0.05])
+    args = (logits, temperature, top_k, top_p, min_p, vocab, True)
+    want = logits >= reference.filter_thresholds(*args)[:, None]
+    got = logits >= triton_ops.filter_thresholds(*args)[:, None]
+    same = (got == want).all(dim=1)
+    assert same.float().mean().item() >= 0.99
+    ranked_only = (top_p == 1.0) & (min_p == 0.0)
+    assert same[ranked_only].all()
+
+
+def test_apply_penalties_at_a_llama3_vocab():
+    from hookllm.kernels import triton_ops
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    slots, vocab = 64, 128256
+    bias = torch.zeros(slots, vocab, device=DEVICE)
+    bias[::3, :100] = float("-inf")
+    counts = torch.randint(0, 3, (slots, vocab), device=DEVICE, generator=gen, dtype=torch.int32)
+    prompt_mask = torch.rand(slots, vocab, device=DEVICE, generator=gen) < 0.01
+    penalties = torch.tensor([0.5, 0.3, 1.2], device=DEVICE).repeat(slots, 1)
+    logits = torch.randn(256, vocab, device=DEVICE, generator=gen) * 4
+    rows = torch.randperm(256, device=DEVICE, generator=gen)[:slots]
+    row_slots = torch.randperm(slots, device=DEVICE, generator=gen)
+    expected, got = logits.clone(), logits.clone()
+    reference.apply_penalties(expected, rows, row_slots, bias, counts, prompt_mask, penalties)
+    triton_ops.apply_penalties(got, rows, row_slots, bias, counts, prompt_mask, penalties)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_apply_token_bitmask_at_a_llama3_vocab():
     from hookllm.kernels import triton_ops
 

@@ -1,0 +1,124 @@
+"""Benchmark of the sampler's kernels on one GPU: each row's top-k / top-p / min-p threshold
+(``filter_thresholds``, the Triton kernel next to its torch reference), the sampling pass that
+applies it, and the penalty stage, on float32 logits of a Llama-3 vocabulary (128,256).
+
+Logits are random normal, scaled to two shapes of distribution: ``peaked`` (x 4, most mass on
+a few hundred tokens, as a trained model's) and ``flat`` (x 0.5, a random-weight model's: a
+top-p nucleus of most of the vocabulary). Times are GPU times per call (``triton.testing.do_bench``,
+L2 flushed between calls).
+
+    python benchmarks/sampling.py [--rows 1 64 256] [--tune]
+
+``--tune`` also times the filter kernel with other lane counts and warps. Writes JSON to
+benchmarks/results/sampling.json (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+from hookllm.kernels import reference, triton_ops
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import add_out_argument, commit, device_name, now, write_result  # noqa: E402
+
+VOCAB = 128256
+SPREADS = {"peaked": 4.0, "flat": 0.5}
+FILTERS = {  # name: (top_k, top_p, min_p)
+    "min_p 0.05": (0, 1.0, 0.05),
+    "top_k 50": (50, 1.0, 0.0),
+    "top_p 0.9 + top_k 50": (50, 0.9, 0.0),
+    "top_p 0.95": (0, 0.95, 0.0),
+}
+
+
+def filter_args(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> tuple:
+    """``filter_thresholds``' arguments for every row asking for the same filters, at temperature 0.8."""
+    rows = logits.shape[0]
+    full = lambda value, dtype=torch.float32: torch.full((rows,), value, dtype=dtype, device=logits.device)  # noqa: E731
+    needed = VOCAB if top_p < 1.0 and top_k <= 0 else top_k
+    return (logits, full(0.8), full(top_k, torch.long), full(top_p), full(min_p), needed, top_p < 1.0)
+
+
+def time_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=50)
+
+
+def filter_rows(rows: int, spread: float) -> list[dict]:
+    logits = torch.randn(rows, VOCAB, device="cuda") * spread
+    keys = torch.randint(0, 2**32, (rows,), device="cuda")
+    temperature = torch.full((rows,), 0.8, device="cuda")
+    results = [dict(filters="temperature only", triton_ms=0.0, torch_ms=0.0,
+                    sample_ms=time_ms(lambda: triton_ops.sample_with_hashed_noise(logits, temperature, keys)))]
+    for name, (top_k, top_p, min_p) in FILTERS.items():
+        args = filter_args(logits, top_k, top_p, min_p)
+        threshold = triton_ops.filter_thresholds(*args)
+        expected = reference.filter_thresholds(*args)
+        same = torch.equal(logits >= threshold[:, None], logits >= expected[:, None])
+        results.append(dict(
+            filters=name, same_as_torch=same,
+            kept=float((logits >= threshold[:, None]).sum(dim=1).float().mean()),
+            triton_ms=time_ms(lambda: triton_ops.filter_thresholds(*args)),
+            torch_ms=time_ms(lambda: reference.filter_thresholds(*args)),
+            sample_ms=time_ms(lambda: triton_ops.sample_with_hashed_noise(logits, temperature, keys, threshold))))
+    return results
+
+
+def penalty_row(rows: int) -> dict:
+    slots = rows
+    logits = torch.randn(rows, VOCAB, device="cuda")
+    tables = (torch.zeros(slots, VOCAB, device="cuda"),
+              torch.randint(0, 3, (slots, VOCAB), device="cuda", dtype=torch.int32),
+              torch.rand(slots, VOCAB, device="cuda") < 0.01,
+              torch.tensor([0.5, 0.5, 1.1], device="cuda").repeat(slots, 1))
+    index = torch.arange(rows, device="cuda")
+    return dict(rows=rows,
+                triton_ms=time_ms(lambda: triton_ops.apply_penalties(logits, index, index, *tables)),
+                torch_ms=time_ms(lambda: reference.apply_penalties(logits, index, index, *tables)))
+
+
+def tune(rows: int) -> list[dict]:
+    logits = torch.randn(rows, VOCAB, device="cuda") * SPREADS["peaked"]
+    args = filter_args(logits, 50, 0.9, 0.0)
+    results = []
+    for lanes in (512, 1024, 2048):
+        for warps in (4, 8, 16):
+            triton_ops.FILTER_LANES, triton_ops.FILTER_WARPS = lanes, warps
+            results.append(dict(lanes=lanes, warps=warps, ms=time_ms(lambda: triton_ops.filter_thresholds(*args))))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--tune", action="store_true")
+    add_out_argument(parser)
+    args = parser.parse_args()
+    payload = dict(device=device_name(), commit=commit(), date=now(), vocab=VOCAB, filters={}, penalties=[])
+    print(f"{'rows':>5} {'logits':>7} {'filters':<22} {'triton ms':>10} {'torch ms':>9} {'sample ms':>10} {'kept':>8}  same")
+    for rows in args.rows:
+        for spread_name, spread in SPREADS.items():
+            measured = filter_rows(rows, spread)
+            payload["filters"][f"{rows}-{spread_name}"] = measured
+            for m in measured:
+                print(f"{rows:>5} {spread_name:>7} {m['filters']:<22} {m['triton_ms']:>10.3f} {m['torch_ms']:>9.3f} "
+                      f"{m['sample_ms']:>10.3f} {m.get('kept', VOCAB):>8.0f}  {m.get('same_as_torch', '')}")
+        payload["penalties"].append(penalty_row(rows))
+    print(f"\n{'rows':>5} {'penalties: triton ms':>21} {'torch ms':>9}")
+    for m in payload["penalties"]:
+        print(f"{m['rows']:>5} {m['triton_ms']:>21.3f} {m['torch_ms']:>9.3f}")
+    if args.tune:
+        payload["tune"] = tune(max(args.rows))
+        print(f"\nfilter kernel at {max(args.rows)} rows, top_p 0.9 + top_k 50, peaked:")
+        for m in payload["tune"]:
+            print(f"  lanes {m['lanes']:>5} warps {m['warps']:>3}: {m['ms']:.3f} ms")
+    print("wrote", write_result("sampling", payload, args.out))
+
+
+if __name__ == "__main__":
+    main()
