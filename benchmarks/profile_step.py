@@ -4,7 +4,9 @@ Fills the engine with workload A's requests, runs until every request is decodin
 N decode steps three times: plain (wall time per step), with host timers around each part of
 the step, and under torch.profiler (GPU busy time per step = sum of kernel times, top kernels).
 
-    python benchmarks/profile_step.py --shape llama-3.2-1b --steps 30 [--sync]
+    python benchmarks/profile_step.py --shape llama-3.2-1b --steps 30 [--sync] [--top-p 0.9 --top-k 50 ...]
+
+Sampling options are throughput.py's (temperature 0.6 plus the ones given).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (SHAPES, add_out_argument, commit, device_name, has_weights, now, random_checkpoint,  # noqa: E402
                     write_result)
-from throughput import workload_a  # noqa: E402
+from throughput import SAMPLING_OPTIONS, sampling, sampling_suffix, workload_a  # noqa: E402
 
 from hookllm.worker.model_runner import StepOutput  # noqa: E402
 
@@ -31,6 +33,7 @@ PARTS = {
     "schedule": ("engine_core.scheduler", "schedule"),
     "forward (build inputs + launch or replay)": ("engine_core.worker.runner", "forward"),
     "build_inputs": ("engine_core.worker.runner", "build_inputs"),
+    "penalties and biases (launch)": ("engine_core.worker.runner.logits_adjuster", "apply"),
     "sample hook (launch)": ("hooks.hook", "sample"),
     "process outputs": ("output_processor", "process_outputs"),
     "wait for tokens": (StepOutput, "resolve"),
@@ -84,6 +87,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--sync", action="store_true", help="async_scheduling=False")
+    for name, kind in SAMPLING_OPTIONS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=f"every request's {name}")
     add_out_argument(parser)
     args = parser.parse_args()
 
@@ -97,7 +102,7 @@ def main() -> None:
     prompts, _ = workload_a(args.num_requests)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt},
-                           SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1000, output_kind="final_only"))
+                           SamplingParams(**sampling(args), ignore_eos=True, max_tokens=1000, output_kind="final_only"))
     while engine.engine_core.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.engine_core.scheduler.running):
         engine.step()
     for _ in range(5):
@@ -123,7 +128,7 @@ def main() -> None:
     rows.update({f"gpu_ms_per_step_{part}": ms for part, ms in sorted(split.items())})
     payload = {"device": device_name(), "date": now(), "commit": commit(), "model": args.shape, "per_step": rows,
                "top_kernels_us_per_step": {e.key[:80]: e.self_device_time_total / args.steps for e in top}}
-    mode = "sync" if args.sync else "async"
+    mode = ("sync" if args.sync else "async") + sampling_suffix(args)
     write_result(f"profile-{args.shape}-{mode}", payload, args.out)
     print(f"\n{args.shape}, {batch} running requests, {args.steps} decode steps, {mode} ({payload['commit']})")
     for key, value in rows.items():
