@@ -83,13 +83,17 @@ def penalty_row(rows: int) -> dict:
 
 
 def tune(rows: int) -> list[dict]:
+    """The filter kernel's time with other lane counts and warps, on peaked logits."""
     logits = torch.randn(rows, VOCAB, device="cuda") * SPREADS["peaked"]
-    args = filter_args(logits, 50, 0.9, 0.0)
+    cases = {name: filter_args(logits, *FILTERS[name]) for name in ("top_p 0.9 + top_k 50", "top_p 0.95")}
+    chosen = triton_ops.FILTER_LANES, triton_ops.FILTER_WARPS
     results = []
-    for lanes in (512, 1024, 2048):
+    for lanes in (1024, 2048):
         for warps in (4, 8, 16):
             triton_ops.FILTER_LANES, triton_ops.FILTER_WARPS = lanes, warps
-            results.append(dict(lanes=lanes, warps=warps, ms=time_ms(lambda: triton_ops.filter_thresholds(*args))))
+            results.append(dict(lanes=lanes, warps=warps, **{name: time_ms(lambda: triton_ops.filter_thresholds(*args))
+                                                            for name, args in cases.items()}))
+    triton_ops.FILTER_LANES, triton_ops.FILTER_WARPS = chosen
     return results
 
 
@@ -114,9 +118,10 @@ def main() -> None:
         print(f"{m['rows']:>5} {m['triton_ms']:>21.3f} {m['torch_ms']:>9.3f}")
     if args.tune:
         payload["tune"] = tune(max(args.rows))
-        print(f"\nfilter kernel at {max(args.rows)} rows, top_p 0.9 + top_k 50, peaked:")
+        print(f"\nfilter kernel at {max(args.rows)} rows, peaked logits (ms):")
         for m in payload["tune"]:
-            print(f"  lanes {m['lanes']:>5} warps {m['warps']:>3}: {m['ms']:.3f} ms")
+            print(f"  lanes {m['lanes']:>5} warps {m['warps']:>3}: " +
+                  ", ".join(f"{name} {ms:.3f}" for name, ms in m.items() if name not in ("lanes", "warps")))
     print("wrote", write_result("sampling", payload, args.out))
 
 

@@ -203,12 +203,12 @@ def sample_with_hashed_noise(logits: torch.Tensor, temperature: torch.Tensor, ke
 # The filter kernel's lanes: lane j keeps the largest logit of columns j, j + FILTER_LANES, ...;
 # the k-th largest of those maxima is a lower bound on the row's k-th largest logit, and few
 # logits lie above it. Up to FILTER_CAPACITY of them are sorted in registers.
-FILTER_LANES = 1024
+FILTER_LANES = 2048
 FILTER_CAPACITY = 1024
 FILTER_TOP_P_RANK = 256  # a top-p without a top-k first looks for its nucleus among this many
 FILTER_PIVOTS = 16  # keys tried per pass of the exact search, when the candidates do not suffice
-FILTER_SEARCH_LANES = 256
-FILTER_WARPS = 4
+FILTER_SEARCH_LANES = 512
+FILTER_WARPS = 8
 
 
 @triton.jit
@@ -240,7 +240,8 @@ def _search_threshold(row_ptr, vocab, lo, hi, top, divisor, target, BY_MASS: tl.
     while hi - lo > 1:
         keys = lo + ((hi - lo) * steps) // PIVOTS
         pivots = _key_value(keys)
-        above = tl.zeros([PIVOTS], tl.float32)
+        # Per lane and pivot, summed over the lanes once per pass (not once per tile).
+        lane_above = tl.zeros([PIVOTS, LANES], tl.float32)
         for start in range(0, vocab, LANES):
             cols = start + tl.arange(0, LANES)
             x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
@@ -248,8 +249,8 @@ def _search_threshold(row_ptr, vocab, lo, hi, top, divisor, target, BY_MASS: tl.
                 weight = tl.exp((x - top) / divisor)
             else:
                 weight = tl.full([LANES], 1.0, tl.float32)
-            above += tl.sum(tl.where(x[None, :] > pivots[:, None], weight[None, :], 0.0), axis=1)
-        below = above < target
+            lane_above += tl.where(x[None, :] > pivots[:, None], weight[None, :], 0.0)
+        below = tl.sum(lane_above, axis=1) < target
         lo = tl.max(tl.where(below, lo, keys), axis=0)
         hi = tl.minimum(hi, tl.min(tl.where(below, keys, hi), axis=0))
     return _key_value(hi)
@@ -295,10 +296,12 @@ def _filter_thresholds_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
                 for start in range(0, vocab, LANES):
                     cols = start + lanes
                     x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-                    take = (x >= bound) & (x > float("-inf"))
-                    slot = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
-                    tl.store(candidates_ptr + row * CAPACITY + slot, x, mask=take & (slot < CAPACITY))
-                    count += tl.sum(take.to(tl.int32), axis=0)
+                    take = ((x >= bound) & (x > float("-inf"))).to(tl.int32)
+                    taken = tl.sum(take, axis=0)
+                    if taken > 0:  # most tiles hold none: skip the scan
+                        slot = count + tl.cumsum(take, axis=0) - 1
+                        tl.store(candidates_ptr + row * CAPACITY + slot, x, mask=(take > 0) & (slot < CAPACITY))
+                        count += taken
                 tl.debug_barrier()  # the candidates are read back by other threads of the program
                 if count <= CAPACITY:
                     slots = tl.arange(0, CAPACITY)

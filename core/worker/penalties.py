@@ -81,8 +81,10 @@ class LogitsAdjuster:
     def record_sampled(self, adjusted: AdjustedRows | None, sampled: torch.Tensor) -> None:
         """Count each adjusted row's sampled token, on the device."""
         if adjusted is not None:
-            ones = torch.ones_like(adjusted.slots, dtype=torch.int32)
-            self.counts.index_put_((adjusted.slots, sampled[adjusted.rows]), ones, accumulate=True)
+            # A step samples one token per row and a slot has one row: no index repeats, so a
+            # plain read-add-write does (index_put_'s accumulate would sort the indices first).
+            index = (adjusted.slots, sampled[adjusted.rows])
+            self.counts.index_put_(index, self.counts[index] + 1)
 
     def _init_slot(self, request: CachedRequestState, vocab_size: int) -> None:
         if not self.free:
