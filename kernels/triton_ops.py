@@ -204,8 +204,8 @@ def sample_with_hashed_noise(logits: torch.Tensor, temperature: torch.Tensor, ke
 # the k-th largest of those maxima is a lower bound on the row's k-th largest logit, and few
 # logits lie above it. Up to FILTER_CAPACITY of them are sorted in registers.
 FILTER_LANES = 2048
-FILTER_CAPACITY = 1024
-FILTER_TOP_P_RANK = 256  # a top-p without a top-k first looks for its nucleus among this many
+FILTER_CAPACITY = 2048
+FILTER_TOP_P_RANK = 512  # a top-p without a top-k first looks for its nucleus among this many
 FILTER_PIVOTS = 16  # keys tried per pass of the exact search, when the candidates do not suffice
 FILTER_SEARCH_LANES = 512
 FILTER_WARPS = 8
