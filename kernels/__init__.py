@@ -3,8 +3,8 @@
 ``get_attention_backend(name)`` returns a module-like object with ``store_kv`` and
 ``paged_attention``: ``"torch"`` is :mod:`hookllm.kernels.reference`, ``"triton"`` the Triton
 kernels, and ``"auto"`` picks Triton on CUDA and torch elsewhere. ``ops_for(tensor)`` returns
-the module with ``rms_norm``, ``apply_rotary``, ``silu_and_mul``, ``sample_with_hashed_noise``,
-``apply_token_bitmask`` and the FP8 ``quantize_fp8`` / ``scaled_matmul`` for that tensor's device: the Triton kernels on CUDA, their torch
+the module with ``rms_norm``, ``apply_rotary``, ``silu_and_mul``, ``filter_thresholds``,
+``sample_with_hashed_noise``, ``apply_token_bitmask``, ``apply_penalties`` and the FP8 ``quantize_fp8`` / ``scaled_matmul`` for that tensor's device: the Triton kernels on CUDA, their torch
 references elsewhere. :mod:`hookllm.kernels.triton_moe` holds the mixture-of-experts kernels
 (``fused_moe``; its ``route`` and ``moe_align`` are the reference's, torch on every device), twins
 of the reference's functions of those names.

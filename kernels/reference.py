@@ -229,7 +229,8 @@ def filter_thresholds(
     ``top_k`` when every row with a top-p also has a top-k (its nucleus, cut by its top-k, then
     lies within them: no sort of the vocabulary), the vocabulary when some row's top-p stands
     alone, and 0 when only min-p is asked for, which needs no ranking: ``p >= min_p * p_max``
-    is ``logit >= max + T * log(min_p)``."""
+    is ``logit >= max + T * log(min_p)``. (The Triton twin reads only whether ``needed`` is 0:
+    it ranks without ``topk``.)"""
     rows, vocab = logits.shape
     scale = torch.where(temperature > 0, temperature, 1.0)
     none = torch.full((rows,), float("-inf"), device=logits.device)

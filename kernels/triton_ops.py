@@ -1,7 +1,8 @@
 """Triton kernels for the small per-layer ops and the sampler's last pass.
 
 ``rms_norm`` (with the residual add fused), ``apply_rotary``, ``silu_and_mul``,
-``sample_with_hashed_noise`` and ``apply_token_bitmask`` have the signatures and semantics of their twins in
+``filter_thresholds``, ``sample_with_hashed_noise``, ``apply_penalties`` and
+``apply_token_bitmask`` have the signatures and semantics of their twins in
 :mod:`hookllm.kernels.reference`, including where results are rounded to the model dtype. In
 torch each is five to twenty elementwise kernels over the batch; here each is one, which in a
 decode step (hundreds of tiny kernels per forward) is most of the non-matmul time.
@@ -11,9 +12,14 @@ columns each, hashing each token's noise from the row's key in registers (greedy
 and keeping a running best score per lane, instead of the torch version's hash passes over a ``[rows, vocab]`` int64
 tensor and its five passes (scale, softmax, divide, argmax) over the float32 scores.
 
-``apply_token_bitmask``: one program per (mask row, column block) unpacks its bits and writes
--inf only where a token is refused, instead of the torch version's unpack, pad, gather, fill and
-scatter, each a launch on the step's critical path.
+``filter_thresholds``: one program per row finds the smallest logit its top-k, top-p and min-p
+keep without sorting the row: two passes (lane maxima and mass, then the candidates above the
+k-th largest lane maximum), a sort of the candidates in registers, and an exact search over the
+floats' order-preserving integer keys for the rows whose candidates do not suffice.
+
+``apply_penalties`` and ``apply_token_bitmask``: one program per (row, column block) reads the
+row's tables or mask bits and writes the adjusted logits in place, instead of the torch
+versions' gathers, elementwise passes and scatters, each a launch on the step's critical path.
 """
 
 from __future__ import annotations

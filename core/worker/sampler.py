@@ -9,9 +9,11 @@ a seed gets a random key from the engine's generator; a request with a seed gets
 the same tokens alone or in any batch, with sync or async scheduling, after a preemption, and
 on the CPU or CUDA.
 
-Top-k, top-p and min-p become one threshold logit per row (``filter_thresholds``), which the
-sampling kernel applies as it streams the logits: no masked copy of the logits is written, and
-the vocabulary is sorted only for a top-p without a top-k (else ``topk`` of the largest top-k).
+Top-k, top-p and min-p become one threshold logit per row (``filter_thresholds`` in
+:mod:`hookllm.kernels`), which the sampling kernel applies as it streams the logits: no masked
+copy of the logits is written. On CUDA one Triton kernel finds the thresholds without sorting
+the vocabulary; the torch reference (CPU) takes ``topk`` of the largest top-k, or sorts the
+vocabulary for a top-p without a top-k.
 """
 
 from __future__ import annotations
