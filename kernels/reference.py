@@ -232,6 +232,7 @@ def filter_thresholds(
     is ``logit >= max + T * log(min_p)``. (The Triton twin reads only whether ``needed`` is 0:
     it ranks without ``topk``.)"""
     rows, vocab = logits.shape
+    top_k = top_k.long()  # the sampler's table holds it as a float
     scale = torch.where(temperature > 0, temperature, 1.0)
     none = torch.full((rows,), float("-inf"), device=logits.device)
     if needed:

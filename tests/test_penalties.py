@@ -127,3 +127,31 @@ def test_finished_requests_free_their_penalty_slots(llm):
     run(llm, repetition_penalty=1.2)
     adjuster = llm.engine.engine_core.worker.runner.logits_adjuster
     assert not adjuster.slots and len(adjuster.free) == adjuster.counts.shape[0] > 0
+
+
+def test_the_penalty_stage_follows_rows_that_move_join_and_leave():
+    """The stage keeps its row index while a step's requests repeat: when they reorder, a new
+    one takes a slot or one leaves, the bias still lands on the row of the request that asked."""
+    from hookllm.worker.batch import Batch, CachedRequestState
+    from hookllm.worker.penalties import LogitsAdjuster
+
+    def request(name: str, **params) -> CachedRequestState:
+        return CachedRequestState(name, [1, 2], 2, SamplingParams(**params))
+
+    biased, plain, late = request("biased", logit_bias={3: 5.0}), request("plain"), request("late", logit_bias={4: 7.0})
+    adjuster = LogitsAdjuster(torch.device("cpu"))
+    for r in (biased, plain):
+        adjuster.add(r)
+
+    def adjusted(*requests: CachedRequestState) -> torch.Tensor:
+        logits = torch.zeros(len(requests), 6)
+        adjuster.apply(logits, Batch(list(requests), [1] * len(requests), list(requests), [2] * len(requests), None))
+        return logits
+
+    assert adjusted(biased, plain)[:, 3].tolist() == [5.0, 0.0]
+    assert adjusted(biased, plain)[:, 3].tolist() == [5.0, 0.0]  # the same rows again
+    assert adjusted(plain, biased)[:, 3].tolist() == [0.0, 5.0]  # reordered
+    adjuster.add(late)
+    assert adjusted(plain, biased, late)[:, [3, 4]].tolist() == [[0.0, 0.0], [5.0, 0.0], [0.0, 7.0]]
+    adjuster.remove("biased")
+    assert adjusted(plain, late)[:, [3, 4]].tolist() == [[0.0, 0.0], [0.0, 7.0]]

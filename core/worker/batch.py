@@ -8,6 +8,7 @@ alone, so it can live in another process. Hooks (``prepare_inputs``, ``start_log
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -29,6 +30,14 @@ class CachedRequestState:
     sampling_params: SamplingParams
     mm_items: list[MultiModalItem] = field(default_factory=list)
     num_computed_tokens: int = 0  # before the current step
+
+    @cached_property
+    def sampler_row(self) -> tuple[float, int, float, float, float]:
+        """(temperature, top_k, top_p, min_p, seeded): the request's entry in the sampler's
+        per-step table, built once; seeded is 1.0 for a sampled request with a seed."""
+        params = self.sampling_params
+        seeded = params.seed is not None and params.temperature > 0
+        return params.temperature, params.top_k, params.top_p, params.min_p, float(seeded)
 
     @property
     def prompt_token_ids(self) -> list[int]:

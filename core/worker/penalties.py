@@ -13,6 +13,7 @@ Order (vLLM's): bias and masks first, then repetition, frequency and presence pe
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,8 @@ class LogitsAdjuster:
         self.prompt_mask = torch.zeros(0, 0, dtype=torch.bool, device=device)
         self.bias = torch.zeros(0, 0, dtype=torch.float32, device=device)
         self.penalties = torch.zeros(0, 3, dtype=torch.float32, device=device)  # presence, frequency, repetition
+        # The last step's sampling requests and their AdjustedRows (reset when a slot changes).
+        self.last_rows: tuple[list[CachedRequestState], AdjustedRows | None] = ([], None)
 
     def add(self, request: CachedRequestState) -> None:
         """Take a new request if it uses any of this stage's features."""
@@ -54,6 +57,7 @@ class LogitsAdjuster:
         slot = self.slots.pop(request_id, None)
         if slot is not None:
             self.free.append(slot)
+            self.last_rows = ([], None)
 
     def apply(self, logits: torch.Tensor, batch: Batch) -> AdjustedRows | None:
         """Adjust ``logits`` (``[rows, vocab]``) in place for the rows whose request has a slot."""
@@ -62,20 +66,33 @@ class LogitsAdjuster:
         for request in self.pending.values():
             self._init_slot(request, logits.shape[-1])
         self.pending.clear()
-        rows, slots = [], []
-        for row, request in enumerate(batch.sampling_requests):
-            slot = self.slots.get(request.request_id)
-            if slot is not None:
-                rows.append(row)
-                slots.append(slot)
-        if not rows:
+        adjusted = self._adjusted_rows(batch.sampling_requests)
+        if adjusted is None:
             return None
-        index = to_device_async(torch.tensor(rows + slots, dtype=torch.long), self.device)
-        adjusted = AdjustedRows(index[:len(rows)], index[len(rows):])
         ops_for(logits).apply_penalties(logits, adjusted.rows, adjusted.slots, self.bias, self.counts,
                                          self.prompt_mask, self.penalties)
         if self.bad_words:
             self._ban_bad_words(logits, batch)
+        return adjusted
+
+    def _adjusted_rows(self, requests: list[CachedRequestState]) -> AdjustedRows | None:
+        """The rows of ``requests`` that have a slot, and their slots: kept from the last step
+        while the rows are the same requests in the same order and no slot changed (most decode
+        steps), so a step builds no index."""
+        last_requests, last_rows = self.last_rows
+        if len(requests) == len(last_requests) and all(map(operator.is_, requests, last_requests)):
+            return last_rows
+        rows, slots = [], []
+        for row, request in enumerate(requests):
+            slot = self.slots.get(request.request_id)
+            if slot is not None:
+                rows.append(row)
+                slots.append(slot)
+        adjusted = None
+        if rows:
+            index = to_device_async(torch.tensor(rows + slots, dtype=torch.long), self.device)
+            adjusted = AdjustedRows(index[:len(rows)], index[len(rows):])
+        self.last_rows = (list(requests), adjusted)
         return adjusted
 
     def record_sampled(self, adjusted: AdjustedRows | None, sampled: torch.Tensor) -> None:
@@ -91,6 +108,7 @@ class LogitsAdjuster:
             self._grow(max(4, 2 * self.counts.shape[0]), vocab_size)
         slot = self.free.pop()
         self.slots[request.request_id] = slot
+        self.last_rows = ([], None)
         params = request.sampling_params
         self.counts[slot] = 0  # a request reaches the runner before its first token
         self.prompt_mask[slot] = False

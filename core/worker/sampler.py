@@ -18,6 +18,7 @@ vocabulary for a top-p without a top-k.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Sequence
 
 import numpy as np
@@ -44,38 +45,36 @@ def sample(logits: torch.Tensor, requests: Sequence[CachedRequestState], generat
            positions: Sequence[int]) -> torch.Tensor:
     """One token id per row of ``logits`` for the matching request in ``requests``; ``positions``
     holds each row's sampled-token index in its sequence (the counter of seeded noise)."""
-    # One host table and one copy for the whole batch: temperature, top_k, top_p, min_p.
-    params = torch.tensor(
-        [(p.temperature, p.top_k, p.top_p, p.min_p) for p in (r.sampling_params for r in requests)],
-        dtype=torch.float32,
-    )
-    if bool((params[:, 0] == 0.0).all()):
+    # One host table and one copy for the whole batch, a row per parameter (each row on the
+    # device a contiguous view): temperature, top_k, top_p, min_p, seeded.
+    columns = [r.sampler_row for r in requests]
+    table = np.fromiter(chain.from_iterable(columns), dtype=np.float32, count=5 * len(columns))
+    table = table.reshape(-1, 5).T.copy()
+    temperature, top_k, top_p, min_p, seeded_rows = table
+    sampled = temperature > 0
+    if not sampled.any():
         return logits.argmax(dim=-1)
-    # Which filters the sampled rows ask for, decided on the host table.
-    sampled = params[:, 0] > 0
-    top_k = torch.where(sampled, params[:, 1], 0.0)
-    has_top_p, has_min_p = (params[:, 2] < 1.0) & sampled, (params[:, 3] > 0.0) & sampled
-    if bool((has_top_p & (top_k <= 0)).any()):
+    # Which filters the sampled rows ask for, decided on the host table (numpy: no device sync,
+    # and a microsecond where a torch op on a small CPU tensor costs several).
+    has_top_p = sampled & (top_p < 1.0)
+    if (has_top_p & (top_k <= 0)).any():
         needed = logits.shape[1]  # a nucleus without a top-k: every logit may count
     else:
-        needed = int(top_k.max())
-    any_top_p = bool(has_top_p.any())
-    params = to_device_async(params, logits.device)
+        needed = int(np.where(sampled, top_k, 0).max())
+    params = to_device_async(torch.from_numpy(table), logits.device)
     ops = ops_for(logits)
-    temperature = params[:, 0]
     threshold = None
-    if needed or bool(has_min_p.any()):
-        threshold = ops.filter_thresholds(logits, temperature, params[:, 1].long(), params[:, 2], params[:, 3], needed,
-                                      any_top_p)
+    if needed or (sampled & (min_p > 0.0)).any():
+        threshold = ops.filter_thresholds(logits, params[0], params[1], params[2], params[3], needed,
+                                          bool(has_top_p.any()))
     # Each row's noise is hashed from a 32-bit key inside the sampling kernel: a random key for
     # a row without a seed (the engine's generator), the hash of (seed, position) for a seeded one.
     keys = torch.randint(0, 2**32, (len(requests),), generator=generator, device=logits.device)
-    seeded = [(row, r.sampling_params.seed, position) for row, (r, position) in enumerate(zip(requests, positions))
-              if r.sampling_params.seed is not None and r.sampling_params.temperature > 0]
-    if seeded:
-        rows, seeds, seeded_positions = zip(*seeded)
+    rows = np.flatnonzero(seeded_rows)
+    if len(rows):
+        seeds = [requests[row].sampling_params.seed for row in rows]
         # One copy for all seeded rows: their row indices and keys.
-        table = to_device_async(torch.from_numpy(np.stack([np.asarray(rows, dtype=np.int64),
-                                                           seeded_row_keys(seeds, seeded_positions)])), keys.device)
-        keys.index_copy_(0, table[0], table[1])
-    return ops.sample_with_hashed_noise(logits, temperature, keys, threshold)
+        seeded_keys = to_device_async(torch.from_numpy(np.stack([rows.astype(np.int64), seeded_row_keys(
+            seeds, [positions[row] for row in rows])])), keys.device)
+        keys.index_copy_(0, seeded_keys[0], seeded_keys[1])
+    return ops.sample_with_hashed_noise(logits, params[0], keys, threshold)
