@@ -19,7 +19,11 @@ scores inside it, and the speed-up is the time without the window over the time 
 With ``--kv-cache-dtype fp8`` the caches hold e4m3 (scales 1.0, as an uncalibrated FP8 cache
 reads) and GB/s count one byte per cached element.
 
-    python benchmarks/attention.py [--tune] [--quick] [--sliding-window [W]] [--kv-cache-dtype fp8]
+With ``--mixed`` it times only steps with prefill (decodes over their cached context plus
+prefill chunks from an empty one), the decodes in a launch of their own with the decode tiles
+(the default) against one launch that gives every sequence the prefill tiles.
+
+    python benchmarks/attention.py [--tune] [--quick] [--sliding-window [W]] [--kv-cache-dtype fp8] [--mixed]
 
 Writes JSON to $OUT/attention.json when $OUT is set, else to benchmarks/results/.
 """
@@ -288,6 +292,60 @@ def window_tables(result: dict) -> str:
     return "\n".join(lines)
 
 
+def mixed_batch(model: str, decodes: int, context: int, prefills: int, chunk: int) -> dict:
+    """A step with prefill as the engine runs it: ``decodes`` sequences of one query token over
+    ``context`` cached keys, then ``prefills`` chunks of ``chunk`` tokens from an empty context."""
+    num_heads, num_kv_heads, head_dim = MODELS[model]
+    q_lens = [1] * decodes + [chunk] * prefills
+    seq_lens = [context + 1] * decodes + [chunk] * prefills
+    blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    width = max(blocks)
+    shape = (sum(blocks), BLOCK_SIZE, num_kv_heads, head_dim)
+    order = torch.randperm(sum(blocks), device="cuda").to(torch.int32)
+    tables = torch.zeros((len(q_lens), width), dtype=torch.int32, device="cuda")
+    start = 0
+    for row, n in enumerate(blocks):
+        tables[row, :n] = order[start:start + n]
+        start += n
+    query_start_loc = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.tensor(q_lens).cumsum(0)
+    return dict(query=torch.randn(sum(q_lens), num_heads, head_dim, device="cuda", dtype=DTYPE),
+                k_cache=torch.randn(shape, device="cuda", dtype=DTYPE).to(kv_dtype),
+                v_cache=torch.randn(shape, device="cuda", dtype=DTYPE).to(kv_dtype),
+                block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+                query_start_loc=query_start_loc.cuda(), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+                scale=head_dim**-0.5)
+
+
+def bench_mixed(quick: bool) -> list[dict]:
+    """Steps with prefill: the decodes in a launch of their own (``SEPARATE_DECODES``, the
+    default) against one launch with the prefill tiles for every sequence."""
+    shapes = [(256, 1024, 2, 512)] if quick else [(64, 1024, 2, 512), (256, 1024, 2, 512), (256, 512, 1, 2048),
+                                                 (128, 4096, 4, 1024)]
+    results = []
+    for model in MODELS:
+        for decodes, context, prefills, chunk in shapes:
+            batch = mixed_batch(model, decodes, context, prefills, chunk)
+            row = dict(model=model, decodes=decodes, context=context, prefills=prefills, chunk=chunk)
+            for separate in (False, True):
+                ta.SEPARATE_DECODES = separate
+                row["separate_ms" if separate else "one_launch_ms"] = graph_ms([attention_call(batch)])
+            ta.SEPARATE_DECODES = True
+            row["speedup"] = row["one_launch_ms"] / row["separate_ms"]
+            results.append(row)
+            print("mixed", row, flush=True)
+    return results
+
+
+def mixed_table(rows: list[dict]) -> str:
+    lines = [f"{'model':<14}{'decodes x context':>18}{'prefill chunks':>16}{'one launch ms':>15}"
+             f"{'decodes apart ms':>18}{'speed-up':>10}"]
+    for r in rows:
+        lines.append(f"{r['model']:<14}{r['decodes']:>9} x {r['context']:<6}{r['prefills']:>8} x {r['chunk']:<5}"
+                     f"{r['one_launch_ms']:>15.3f}{r['separate_ms']:>18.3f}{r['speedup']:>10.2f}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", action="store_true", help="also time candidate configs and split counts")
@@ -296,6 +354,8 @@ def main() -> None:
                         help="also time long decodes and prefills with a sliding window of W tokens (default 4096)")
     parser.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPES), default="auto",
                         help="the caches' dtype: auto (bf16) or fp8 (e4m3)")
+    parser.add_argument("--mixed", action="store_true",
+                        help="only steps with prefill: decodes in a launch of their own against one launch")
     add_out_argument(parser)
     args = parser.parse_args()
     global kv_dtype
@@ -315,6 +375,11 @@ def main() -> None:
         dtype="bfloat16",
         kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
     )
+    if args.mixed:
+        result["mixed"] = bench_mixed(args.quick)
+        write_result("attention-mixed", result, args.out)
+        print(f"\n{result['device']}  {result['date']}  commit {result['commit']}\n\n" + mixed_table(result["mixed"]))
+        return
     if args.tune:
         result["tuning"] = tune()
     decode = []

@@ -53,6 +53,12 @@ _FP8_PREFILL_CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 4, 3), 256: (64, 32,
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
+# Batches with prefill attend their decodes in a launch of their own (benchmarks/attention.py --mixed).
+SEPARATE_DECODES = True
+# Which sequences of a batch one launch of the attention kernel serves: a batch with prefill
+# runs its decodes in a launch of their own, with the decode tiles (one query token per program).
+ALL_SEQS, DECODE_SEQS, PREFILL_SEQS = 0, 1, 2
+_DECODE_SEQS, _PREFILL_SEQS = tl.constexpr(DECODE_SEQS), tl.constexpr(PREFILL_SEQS)
 # Decided when the kernels below are defined, as triton.jit itself decides it.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FP8_DTYPE = torch.float8_e4m3fn
@@ -211,11 +217,12 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ONE_BLOCK_PER_SEQ: tl.constexpr, SPLIT: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SEQS: tl.constexpr,
 ):
     """Grid: (query blocks, KV heads, splits). Writes the normalised output, or with SPLIT the
     unnormalised partial sums, running max and denominator of this program's key range (the
-    sinks are then the merge's to add: USE_SINKS only without SPLIT)."""
+    sinks are then the merge's to add: USE_SINKS only without SPLIT). SEQS picks the sequences
+    it serves: ALL_SEQS, DECODE_SEQS (one query token) or PREFILL_SEQS (the others)."""
     kv_head = tl.program_id(1)
     if ONE_BLOCK_PER_SEQ:
         seq = tl.program_id(0)
@@ -229,6 +236,12 @@ def _paged_attention_kernel(
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if q_block * BLOCK_M >= q_len:
         return
+    if SEQS == _DECODE_SEQS:
+        if q_len != 1:
+            return
+    if SEQS == _PREFILL_SEQS:
+        if q_len == 1:
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
 
@@ -424,8 +437,11 @@ def paged_attention_with(
     sinks: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    seqs: int = ALL_SEQS,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``paged_attention`` with an explicit split count and launch config (tests, tuning)."""
+    """``paged_attention`` with an explicit split count and launch config (tests, tuning); with
+    ``seqs`` = DECODE_SEQS or PREFILL_SEQS only those sequences' rows of ``out`` are written."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads:
@@ -434,14 +450,15 @@ def paged_attention_with(
         raise ValueError(f"block_size must be a multiple of 16, got {block_size}")
     if sinks is not None and tuple(sinks.shape) != (num_heads,):
         raise ValueError(f"sinks must have shape ({num_heads},), got {tuple(sinks.shape)}")
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     block_m = config.block_m
-    one_block_per_seq = max_query_len <= block_m
+    one_block_per_seq = max_query_len <= block_m or seqs == DECODE_SEQS
     num_q_blocks = num_seqs if one_block_per_seq else num_tokens // block_m + num_seqs
     block_d = max(16, triton.next_power_of_2(head_dim))
     split = num_splits > 1
@@ -469,7 +486,7 @@ def paged_attention_with(
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
         USE_SINKS=sinks is not None and not split,
         DOT_DTYPE=_dot_dtype(query.dtype, k_cache.dtype),
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SEQS=seqs,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
@@ -508,10 +525,17 @@ def paged_attention(
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     keys = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+    group, fp8_cache = num_heads // num_kv_heads, k_cache.dtype == FP8_DTYPE
     num_splits = num_kv_splits(seq_lens.shape[0], num_kv_heads, max_query_len, keys, num_sms(query.device))
-    config = default_config(head_dim, num_heads // num_kv_heads, max_query_len, k_cache.dtype == FP8_DTYPE)
-    return paged_attention_with(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        max_query_len, scale, num_splits, config,
-        sliding_window=sliding_window, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-    )
+    options = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    if max_query_len <= 1 or not SEPARATE_DECODES:
+        return paged_attention_with(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                                    scale, num_splits, default_config(head_dim, group, max_query_len, fp8_cache),
+                                    **options)
+    # With prefill: the decodes with the decode tiles (a prefill tile would hold one real query
+    # row of its 32 or more), then the prefill chunks; each launch skips the other's sequences.
+    out = paged_attention_with(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 1, scale, 1,
+                               default_config(head_dim, group, 1, fp8_cache), seqs=DECODE_SEQS, **options)
+    return paged_attention_with(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                                scale, 1, default_config(head_dim, group, max_query_len, fp8_cache),
+                                seqs=PREFILL_SEQS, out=out, **options)

@@ -347,7 +347,8 @@ def test_filter_thresholds_kernel_keeps_what_the_reference_keeps(case, small_fil
     min_p = torch.tensor(case.get("min_p", [0.0] * 4))
     has_top_p = top_p < 1.0
     needed = 500 if bool((has_top_p & (top_k <= 0)).any()) else int(top_k.max())
-    args = (logits, temperature, top_k, top_p, min_p, needed, bool(has_top_p.any()))
+    # top_k as a float, as the sampler's table holds it.
+    args = (logits, temperature, top_k.float(), top_p, min_p, needed, bool(has_top_p.any()))
     want = logits >= reference.filter_thresholds(*args)[:, None]
     assert torch.equal(logits >= triton_ops.filter_thresholds(*args)[:, None], want)
 

@@ -181,7 +181,7 @@ def test_filter_thresholds_at_a_llama3_vocab(spread):
     pick = lambda values: torch.tensor(values, device=DEVICE)[torch.arange(rows, device=DEVICE) % len(values)]  # noqa: E731
     temperature = pick([0.0, 0.7, 1.0, 1.3])
     top_k, top_p, min_p = pick([0, 50, 1, 0, 2000, 20]), pick([1.0, 0.9, 0.95, 0.5, 1.0]), pick([0.0, 0.0, 0.05])
-    args = (logits, temperature, top_k, top_p, min_p, vocab, True)
+    args = (logits, temperature, top_k.float(), top_p, min_p, vocab, True)  # top_k a float, as the sampler has it
     want = (logits >= reference.filter_thresholds(*args)[:, None]).sum(dim=1)
     got = (logits >= triton_ops.filter_thresholds(*args)[:, None]).sum(dim=1)
     ranked_only = (top_p == 1.0) & (min_p == 0.0)
