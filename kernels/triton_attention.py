@@ -23,6 +23,9 @@ layout). One attention kernel serves prefill chunks, decodes and mixed batches:
   to fill the GPU, each pair's keys (those in its window) are cut into ``num_splits`` ranges
   handled by separate programs that write partial results; a second kernel merges them and
   adds the sinks.
+* A batch with prefill launches the kernel twice: its decodes with the decode tiles, then its
+  prefill chunks with the prefill tiles (``SEQS``); each launch covers every sequence and skips
+  the other's, so the grids depend on shapes alone (CUDA graphs).
 
 Nothing here reads device tensors on the host: grid sizes come from tensor shapes and the
 python ints ``max_query_len`` / ``max_seq_len``.
