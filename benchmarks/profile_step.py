@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (SHAPES, add_out_argument, commit, device_name, has_weights, now, random_checkpoint,  # noqa: E402
                     write_result)
-from throughput import SAMPLING_OPTIONS, sampling, sampling_suffix, workload_a  # noqa: E402
+from throughput import add_sampling_arguments, sampling, sampling_suffix, workload_a  # noqa: E402
 
 from hookllm.worker.model_runner import StepOutput  # noqa: E402
 
@@ -87,8 +87,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--sync", action="store_true", help="async_scheduling=False")
-    for name, kind in SAMPLING_OPTIONS.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=f"every request's {name}")
+    add_sampling_arguments(parser)
     add_out_argument(parser)
     args = parser.parse_args()
 

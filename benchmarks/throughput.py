@@ -225,6 +225,13 @@ def summarize(name: str, seconds: float, prompts: list[list[int]], max_tokens: l
     return row
 
 
+def add_sampling_arguments(parser) -> None:
+    """``--top-p``, ``--top-k``, ... : one option per ``SAMPLING_OPTIONS`` entry, unset by default."""
+    for name, kind in SAMPLING_OPTIONS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                            help=f"every request's {name} (default: unset; temperature is 0.6)")
+
+
 def sampling(args) -> dict:
     """The workload's sampling parameters: temperature 0.6 and the options given on the command line."""
     chosen = {name: getattr(args, name) for name in SAMPLING_OPTIONS if getattr(args, name, None) is not None}
@@ -588,9 +595,7 @@ def main() -> None:
                              "(0: eagerly; default: the engine's)")
     parser.add_argument("--latency-rate", type=float, default=0.0, help="workload B arrival rate (0: skip)")
     parser.add_argument("--latency-requests", type=int, default=128)
-    for name, kind in SAMPLING_OPTIONS.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                            help=f"every request's {name} (default: unset; temperature is 0.6)")
+    add_sampling_arguments(parser)
     parser.add_argument("--quantization", default=None, choices=["fp8"],
                         help="the engine option: fp8 quantizes the linear layers at load (default: bf16)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],

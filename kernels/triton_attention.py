@@ -56,10 +56,10 @@ _FP8_PREFILL_CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 4, 3), 256: (64, 32,
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
-# Batches with prefill attend their decodes in a launch of their own (benchmarks/attention.py --mixed).
+# A batch with prefill runs its decodes in a launch of their own, with the decode tiles (one
+# query token per program; benchmarks/attention.py --mixed compares); SEQS says which
+# sequences a launch serves.
 SEPARATE_DECODES = True
-# Which sequences of a batch one launch of the attention kernel serves: a batch with prefill
-# runs its decodes in a launch of their own, with the decode tiles (one query token per program).
 ALL_SEQS, DECODE_SEQS, PREFILL_SEQS = 0, 1, 2
 _DECODE_SEQS, _PREFILL_SEQS = tl.constexpr(DECODE_SEQS), tl.constexpr(PREFILL_SEQS)
 # Decided when the kernels below are defined, as triton.jit itself decides it.
@@ -530,15 +530,14 @@ def paged_attention(
     keys = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
     group, fp8_cache = num_heads // num_kv_heads, k_cache.dtype == FP8_DTYPE
     num_splits = num_kv_splits(seq_lens.shape[0], num_kv_heads, max_query_len, keys, num_sms(query.device))
-    options = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    attend = functools.partial(paged_attention_with, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                               scale=scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+                               k_scale=k_scale, v_scale=v_scale)
     if max_query_len <= 1 or not SEPARATE_DECODES:
-        return paged_attention_with(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                                    scale, num_splits, default_config(head_dim, group, max_query_len, fp8_cache),
-                                    **options)
+        return attend(max_query_len=max_query_len, num_splits=num_splits,
+                      config=default_config(head_dim, group, max_query_len, fp8_cache))
     # With prefill: the decodes with the decode tiles (a prefill tile would hold one real query
-    # row of its 32 or more), then the prefill chunks; each launch skips the other's sequences.
-    out = paged_attention_with(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 1, scale, 1,
-                               default_config(head_dim, group, 1, fp8_cache), seqs=DECODE_SEQS, **options)
-    return paged_attention_with(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                                scale, 1, default_config(head_dim, group, max_query_len, fp8_cache),
-                                seqs=PREFILL_SEQS, out=out, **options)
+    # token of its 16 or more), then the prefill chunks; each launch skips the other's sequences.
+    out = attend(max_query_len=1, num_splits=1, config=default_config(head_dim, group, 1, fp8_cache), seqs=DECODE_SEQS)
+    return attend(max_query_len=max_query_len, num_splits=1, seqs=PREFILL_SEQS, out=out,
+                  config=default_config(head_dim, group, max_query_len, fp8_cache))

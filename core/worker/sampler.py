@@ -47,8 +47,8 @@ def sample(logits: torch.Tensor, requests: Sequence[CachedRequestState], generat
     holds each row's sampled-token index in its sequence (the counter of seeded noise)."""
     # One host table and one copy for the whole batch, a row per parameter (each row on the
     # device a contiguous view): temperature, top_k, top_p, min_p, seeded.
-    columns = [r.sampler_row for r in requests]
-    table = np.fromiter(chain.from_iterable(columns), dtype=np.float32, count=5 * len(columns))
+    entries = [r.sampler_row for r in requests]
+    table = np.fromiter(chain.from_iterable(entries), dtype=np.float32, count=5 * len(entries))
     table = table.reshape(-1, 5).T.copy()
     temperature, top_k, top_p, min_p, seeded_rows = table
     sampled = temperature > 0
