@@ -15,6 +15,9 @@ Workload latency: one request alone, a 3,000-token prompt and 256 greedy output 
 (ignore_eos), ``--repeat`` times (default 5); time to first token and time per output token
 from the request's metrics.
 
+Sampling: temperature 0.6, plus ``--top-p``, ``--top-k``, ``--min-p``, the penalties and ``--n``
+when given (``--n k``: k completions of each prompt, every one's tokens counted; no peers then).
+
 ``--quantization fp8`` quantizes the linear layers at load (per-channel weights, per-token
 activations; MoE experts weight-only) and ``--kv-cache-dtype fp8`` stores K/V in e4m3; the limits then count those bytes
 and the FP8 rate, and the result file's name says so (``-fp8``, ``-kvfp8``).
@@ -46,11 +49,11 @@ from common import (BF16_FLOP_PER_S, FP8_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, ad
 # Throughput workloads: name -> (label, lowest length, highest length, requests); prompts and
 # outputs draw their lengths from the same range.
 WORKLOADS = {"a": ("A", 100, 1024, 256), "short": ("short", 32, 320, 2048)}
-# Sampling filters and penalties a run may add to workload A's temperature 0.6 (--top-p ...), as
+# Sampling filters, penalties and n a run may add to workload A's temperature 0.6 (--top-p ...), as
 # chat clients send them; the transformers peers apply those `generate` has (no presence or
 # frequency penalty).
 SAMPLING_OPTIONS = {"top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
-                    "presence_penalty": float, "frequency_penalty": float}
+                    "presence_penalty": float, "frequency_penalty": float, "n": int}
 PEER_SAMPLING_OPTIONS = ("top_p", "top_k", "min_p", "repetition_penalty")
 LATENCY_PROMPT_TOKENS = 3000
 LATENCY_OUTPUT_TOKENS = 256
@@ -174,7 +177,10 @@ def prefill_flops(config: dict, prompts: list[list[int]]) -> float:
 
 
 def fp8_prefill_flops(config: dict, prompts: list[list[int]]) -> float:
-    """The part of ``prefill_flops`` in the layers that ``--quantization fp8`` quantizes."""
+    """The part of ``prefill_flops`` in the layers that Sampling: temperature 0.6, plus ``--top-p``, ``--top-k``, ``--min-p``, the penalties and ``--n``
+when given (``--n k``: k completions of each prompt, every one's tokens counted; no peers then).
+
+``--quantization fp8`` quantizes."""
     return 2.0 * config["num_hidden_layers"] * fp8_params_per_layer(config) * sum(len(p) for p in prompts)
 
 
@@ -307,6 +313,14 @@ def repeat_stats(walls: list[float], output_tokens: int) -> dict:
     return stats
 
 
+def completions_of(prompts: list[list[int]], max_tokens: list[int], args) -> tuple[list[list[int]], list[int]]:
+    """The workload as the sequences it decodes: with ``--n k`` each prompt's k completions count as
+    k requests (their output tokens, and, for the limit, their reads of the prompt's K/V; its
+    prefill is counted k times too, which lowers the limit with prefill a little)."""
+    k = sampling(args).get("n", 1)
+    return [p for p in prompts for _ in range(k)], [m for m in max_tokens for _ in range(k)]
+
+
 def run_hookllm(path: Path, prompts, max_tokens, enforce_eager: bool, args) -> tuple[dict, object]:
     """``args.repeat`` timed calls of the workload on one engine; the row's rates are the median call's."""
     from hookllm import SamplingParams
@@ -314,15 +328,16 @@ def run_hookllm(path: Path, prompts, max_tokens, enforce_eager: bool, args) -> t
     name = "hookllm" + (" eager" if enforce_eager else "")
     llm, startup = start_llm(path, args, 2048 + 64, enforce_eager)
     params = [SamplingParams(ignore_eos=True, max_tokens=n, **sampling(args)) for n in max_tokens]
+    counted_prompts, counted_tokens = completions_of(prompts, max_tokens, args)
     walls = []
     for i in range(args.repeat):
         llm.reset_prefix_cache()  # every call computes the same prompts from scratch, as the first does
         walls.append(timed_call(llm, prompts, params))
-        print(f"{name} call {i + 1}/{args.repeat}: {sum(max_tokens) / walls[-1]:.0f} output tok/s, "
+        print(f"{name} call {i + 1}/{args.repeat}: {sum(counted_tokens) / walls[-1]:.0f} output tok/s, "
               f"{walls[-1]:.2f}s", flush=True)
     median = statistics.median_low(walls)  # of an even count, the faster middle call
-    row = summarize(name if args.repeat == 1 else f"{name} median call", median, prompts, max_tokens)
-    row.update(repeat_stats(walls, sum(max_tokens)))
+    row = summarize(name if args.repeat == 1 else f"{name} median call", median, counted_prompts, counted_tokens)
+    row.update(repeat_stats(walls, sum(counted_tokens)))
     row["startup"] = {**startup, "first_call_s": walls[0]}
     row["kv_cache_tokens"] = llm.engine.engine_core.block_manager.num_blocks * llm.engine.config.block_size
     return row, llm
@@ -467,9 +482,11 @@ def run_throughput(path: Path, config: dict, weight_bytes: int, payload: dict, a
     """Workload A or short: hookllm (``--repeat`` calls), workload B, the eager engine and, on A, the peers."""
     prompts, max_tokens = random_workload(args.workload, args.num_requests)
     prompts = [[t % config["vocab_size"] for t in p] for p in prompts]  # --tiny's vocabulary is small
-    limit = physical_limit(config, prompts, max_tokens, weight_bytes, args.max_num_seqs, **limit_kwargs(args))
-    bf16 = physical_limit(config, prompts, max_tokens, weight_bytes, args.max_num_seqs)
-    with_peers = args.workload == "a" and not args.tiny
+    sequences = completions_of(prompts, max_tokens, args)
+    limit = physical_limit(config, *sequences, weight_bytes, args.max_num_seqs, **limit_kwargs(args))
+    bf16 = physical_limit(config, *sequences, weight_bytes, args.max_num_seqs)
+    # The peers sample one completion per prompt: beside n > 1 they would time another workload.
+    with_peers = args.workload == "a" and not args.tiny and sampling(args).get("n", 1) == 1
     n_peer = args.peer_requests or len(prompts)
     results: dict[str, dict] = {}
     payload.update(workload=describe(args.workload, len(prompts))

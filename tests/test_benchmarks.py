@@ -135,6 +135,15 @@ def test_sampling_options_reach_every_request_and_name_the_result(throughput):
     assert throughput.sampling_suffix(Namespace()) == ""
 
 
+def test_n_completions_count_as_that_many_sequences(throughput):
+    from argparse import Namespace
+
+    prompts, max_tokens = [[1, 2], [3]], [5, 7]
+    assert throughput.completions_of(prompts, max_tokens, Namespace(n=3)) == (
+        [[1, 2]] * 3 + [[3]] * 3, [5, 5, 5, 7, 7, 7])
+    assert throughput.completions_of(prompts, max_tokens, Namespace()) == (prompts, max_tokens)
+
+
 def test_fp8_limit_counts_linear_weights_and_kv_at_one_byte(throughput):
     config = throughput.SHAPES["llama-3.1-8b"]
     h, layers, inter, vocab = 4096, 32, 14336, 128256

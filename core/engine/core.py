@@ -182,8 +182,9 @@ class EngineCore:
             entry = logprobs[row]
             outputs.append(EngineCoreOutput(
                 request.request_id, [request.output_token_ids[-1]], None if entry is None else [entry],
-                prompt_logprobs.pop(request.request_id, None), request.status.value if request.is_finished else None,
-                request.stop_reason, request.num_cached_tokens or 0))
+                prompt_logprobs.pop(request.request_id, None) if prompt_logprobs else None,
+                request.status.value if request.is_finished else None, request.stop_reason,
+                request.num_cached_tokens or 0))
         # Prefill chunks that sampled nothing still carry their prompt logprobs.
         for request_id, entries in prompt_logprobs.items():
             request = self.scheduler.requests.get(request_id)

@@ -102,10 +102,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.num_tokens >= request.max_num_tokens:
+            num_tokens = request.num_tokens
+            if num_tokens >= request.max_num_tokens:
                 i += 1  # its last token is being sampled by the step in flight: nothing left to run
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(num_tokens - request.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()  # the newest running request
                 self._preempt(victim, swap_out)
@@ -176,10 +177,12 @@ class Scheduler:
                 new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
                                                    request.sampling_params, request.mm_items))
                 request.num_synced_tokens = request.num_prompt_tokens
-            new_token_ids.append(request.all_token_ids[request.num_synced_tokens:])
-            request.num_synced_tokens = len(request.all_token_ids)
+            all_token_ids = request.all_token_ids
+            new_token_ids.append(all_token_ids[request.num_synced_tokens:])
+            request.num_synced_tokens = len(all_token_ids)
             request.num_computed_tokens += count
-            if request.num_computed_tokens == request.num_tokens:
+            # request.num_tokens, inlined: this runs for every scheduled request of every step
+            if request.num_computed_tokens == len(all_token_ids) + request.num_output_placeholders:
                 sampling_rows.append(row)
                 request.num_output_placeholders += 1
         finished, self.finished_request_ids = self.finished_request_ids, []
