@@ -62,6 +62,19 @@ def test_warmup_runs_every_sampler_path():
     assert all(p in params for p in SAMPLER_PATHS + (PROMPT_LOGPROBS,))
 
 
+def test_warmup_runs_each_filter_variant_alone_at_both_alignments_of_the_parameter_table():
+    # The filter kernel compiles apart for ranks (top-k or top-p) with and without a nucleus and
+    # for min-p alone, and for parameter rows 16-byte aligned (a multiple of 4 rows) or not.
+    def variant(p):
+        return (p.top_k > 0 or p.top_p < 1.0, p.top_p < 1.0)
+
+    filtered = [p for p in SAMPLER_PATHS if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0)]
+    assert {variant(p) for p in filtered} == {(True, True), (True, False), (False, False)}
+    for p in filtered:
+        alone = {len(step.rows) % 4 == 0 for step in DEFAULT_STEPS if all(row.params is p for row in step.rows)}
+        assert alone == {True, False}
+
+
 def test_warmup_leaves_no_block_used_no_prefix_cached_and_no_request_in_the_runner(make_llm):
     llm = make_llm(**LIMITS)
     warm_up(llm.engine.engine_core.worker)

@@ -11,7 +11,8 @@ to the first requests, all of this lands in their time to first token.
 
 The warm-up runs, once, steps that meet each of these: prefills of every power-of-two length,
 chunks after cached context next to a decode, decodes at every batch size (each CUDA graph
-bucket, and eager beyond the largest) and at power-of-two contexts, and each sampler path.
+bucket, and eager beyond the largest) and at power-of-two contexts, and each sampler path at
+both alignments of its parameter table.
 The synthetic requests read and write KV blocks the block manager never lent (their contents
 are never read by a real request before it writes them), are dropped from the runner at the
 end, and the engine's sampling generator is restored, so the engine is as it was.
@@ -37,18 +38,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GREEDY = SamplingParams(temperature=0.0)
-# One of each sampler path: argmax, the noise race, top-k/top-p/min-p, seeded noise,
-# logprobs, and the penalty and bias stage.
+# One of each sampler path: argmax, the noise race, the filter kernel's three variants (ranks
+# and a nucleus, ranks alone, min-p alone), seeded noise, logprobs, and the penalty and bias stage.
 SAMPLER_PATHS = (
     GREEDY,
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05),
+    SamplingParams(temperature=0.8, top_k=20),
+    SamplingParams(temperature=0.8, min_p=0.05),
     SamplingParams(temperature=1.0, seed=0),
     SamplingParams(temperature=0.0, logprobs=5),
     SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
                    logit_bias={0: 1.0}),
 )
 PROMPT_LOGPROBS = SamplingParams(temperature=0.0, prompt_logprobs=5)
+# The sampler's float32 table holds one row per parameter, each as long as the batch: with a
+# multiple of 4 rows every parameter row starts 16-byte aligned, with 1 none but the first.
+SAMPLER_ALIGNED_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -95,8 +101,10 @@ def warmup_steps(max_num_batched_tokens: int, max_model_len: int, block_size: in
     steps += [Step((decode,) * n, then_decode=context + 2 <= longest) for n in decode_sizes if n <= budget]
     # One decode at sequence lengths 2^k: eager attention cuts longer contexts into more key ranges.
     steps += [Step((Row(length - 1, 1, GREEDY),)) for length in doubling(2 * block_size, longest)]
-    # The sampler's paths, one alone per step, then all in one batch; prompt logprobs.
-    steps += [Step((Row(context, 1, params),)) for params in SAMPLER_PATHS]
+    # The sampler's paths, each alone in a step of one row and of SAMPLER_ALIGNED_ROWS rows (the
+    # parameter table's rows then start 16-byte aligned, which Triton compiles apart), then all
+    # in one batch; prompt logprobs.
+    steps += [Step((Row(context, 1, params),) * rows) for params in SAMPLER_PATHS for rows in (1, SAMPLER_ALIGNED_ROWS)]
     steps.append(Step(tuple(Row(context, 1, params) for params in SAMPLER_PATHS)))
     steps.append(Step((Row(0, min(block_size, longest), PROMPT_LOGPROBS),)))
     return steps
