@@ -7,7 +7,9 @@ reads the weights and the live KV once, spread over the ranks' HBM.
 
 The decode-step split: a TP=2 engine's decode step time (CUDA graphs and eager), and the time
 of the step's collectives alone (two all-reduces of [batch, hidden] per layer plus the
-embedding's, and the logits all-gather), measured by replaying them on the same ranks.
+embedding's, and the logits all-gather), measured by replaying them on the same ranks, and the
+all-reduce's latency by message size (8 KiB to 4 MiB) in a CUDA graph: NCCL's, and with
+``--custom-all-reduce`` the one-shot kernel's (the engines then use it too).
 
     python benchmarks/tensor_parallel.py --shapes llama-3.1-8b --tp 1,2 --big llama-3.1-70b
 """
@@ -65,7 +67,7 @@ def run_engine(shape: str, tp: int, enforce_eager: bool, prompts, max_tokens, ar
     path = config_only_checkpoint(shape, Path(args.root))
     start = time.perf_counter()
     llm = LLM(str(path), load_format="dummy", tensor_parallel_size=tp, max_model_len=2048 + 64,
-              enforce_eager=enforce_eager)
+              enforce_eager=enforce_eager, custom_all_reduce=args.custom_all_reduce)
     startup_s = time.perf_counter() - start
     try:
         llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=8), use_tqdm=False)
@@ -108,21 +110,50 @@ def decode_step_ms(llm, batch: int, steps: int = 50) -> float:
     return 1e3 * elapsed
 
 
-def _collectives_rank(rank: int, shape: str, batch: int, port: int, result_path: str) -> None:
+# Message sizes of the all-reduce latency table: a decode step's [batch, hidden] bf16 spans these.
+LATENCY_SIZES = [2**k for k in range(13, 23)]  # 8 KiB .. 4 MiB
+
+
+def _latency_us(reduce, x: torch.Tensor, calls: int = 50) -> float:
+    """Microseconds per call of ``reduce(x)``, from a CUDA graph of ``calls`` calls (as a step replays them)."""
+    for _ in range(3):
+        reduce(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            reduce(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    return 1e6 * (time.perf_counter() - start) / (10 * calls)
+
+
+def _collectives_rank(rank: int, shape: str, batch: int, port: int, custom: bool, result_path: str) -> None:
     import torch.distributed as dist
 
-    from hookllm.distributed import cleanup_dist_env_and_memory, init_tensor_parallel, tensor_model_parallel_gather
+    from hookllm.distributed import (cleanup_dist_env_and_memory, init_custom_all_reduce, init_tensor_parallel,
+                                     tensor_model_parallel_all_reduce, tensor_model_parallel_gather)
 
     torch.cuda.set_device(rank)
     init_tensor_parallel(rank, 2, "nccl", f"tcp://127.0.0.1:{port}", torch.device("cuda", rank))
+    custom = custom and init_custom_all_reduce(torch.device("cuda", rank))
     s = ALL_SHAPES[shape]
     hidden = torch.randn(batch, s["hidden_size"], dtype=torch.bfloat16, device="cuda")
     logits = torch.randn(batch, -(-s["vocab_size"] // 2), dtype=torch.bfloat16, device="cuda")
     count = 2 * s["num_hidden_layers"] + 1
+    latency = {}
+    for size in LATENCY_SIZES:
+        x = torch.randn(size // 2, dtype=torch.bfloat16, device="cuda")
+        latency[size] = {"nccl_us": _latency_us(dist.all_reduce, x)}
+        if custom:
+            latency[size]["custom_us"] = _latency_us(tensor_model_parallel_all_reduce, x)
 
     def step() -> None:
         for _ in range(count):
-            dist.all_reduce(hidden)
+            tensor_model_parallel_all_reduce(hidden)
         tensor_model_parallel_gather(logits, -1)
 
     for _ in range(5):
@@ -133,11 +164,14 @@ def _collectives_rank(rank: int, shape: str, batch: int, port: int, result_path:
         step()
     torch.cuda.synchronize()
     if rank == 0:
-        Path(result_path).write_text(json.dumps({"collectives_ms": 1e3 * (time.perf_counter() - start) / 20}))
+        Path(result_path).write_text(json.dumps({"collectives_ms": 1e3 * (time.perf_counter() - start) / 20,
+                                                 "all_reduce_latency": latency}))
     cleanup_dist_env_and_memory()
 
 
-def collectives_ms(shape: str, batch: int) -> float:
+def collectives(shape: str, batch: int, custom: bool) -> dict:
+    """A decode step's collectives (ms, ``collectives_ms``) and the all-reduce's latency by message
+    size (NCCL's, and the one-shot kernel's with ``custom``), on two ranks."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -146,9 +180,9 @@ def collectives_ms(shape: str, batch: int) -> float:
 
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "collectives.json"
-        mp.start_processes(_collectives_rank, args=(shape, batch, _free_port(), str(result)), nprocs=2,
+        mp.start_processes(_collectives_rank, args=(shape, batch, _free_port(), custom, str(result)), nprocs=2,
                            start_method="spawn")
-        return json.loads(result.read_text())["collectives_ms"]
+        return json.loads(result.read_text())
 
 
 def main() -> None:
@@ -160,6 +194,8 @@ def main() -> None:
     parser.add_argument("--step-batch", type=int, default=64, help="batch of the decode-step timing")
     parser.add_argument("--eager-too", action="store_true", help="also run TP=2 with enforce_eager")
     parser.add_argument("--eager", action="store_true", help="every engine with enforce_eager (no CUDA graphs)")
+    parser.add_argument("--custom-all-reduce", action="store_true",
+                        help="the engine option: small all-reduces through the one-shot kernel instead of NCCL")
     parser.add_argument("--root", default="/tmp/hookllm-bench")
     add_out_argument(parser)
     args = parser.parse_args()
@@ -185,7 +221,7 @@ def main() -> None:
             row = {"shape": shape, "tp": tp, "cuda_graphs": not eager, "error": f"{type(exc).__name__}: {exc}"[:2000]}
             print(json.dumps(row), flush=True)
         if "error" not in row and tp > 1:
-            row["collectives_ms"] = collectives_ms(shape, args.step_batch)
+            row.update(collectives(shape, args.step_batch, args.custom_all_reduce))
         limit = physical_limit_tp(shape, prompts, max_tokens, tp)
         row["physical_limit_output_tok_s"] = limit
         if "output_tok_s" in row:
@@ -210,6 +246,11 @@ def main() -> None:
         one, two = by_key.get((shape, 1, not args.eager)), by_key.get((shape, 2, not args.eager))
         if one and two:
             print(f"{shape}: TP=2 / TP=1 = {two['output_tok_s'] / one['output_tok_s']:.2f}x")
+    latency = next((r["all_reduce_latency"] for r in rows if "all_reduce_latency" in r), None)
+    if latency:
+        print("all-reduce latency in a CUDA graph, us per call: " + ", ".join(
+            f"{int(size) // 1024} KiB NCCL {t['nccl_us']:.1f}" + (f" one-shot {t['custom_us']:.1f}" if "custom_us" in t else "")
+            for size, t in latency.items()))
 
 
 def physical_limit_tp(shape: str, prompts, max_tokens, tp: int) -> float:

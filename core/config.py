@@ -153,6 +153,9 @@ class EngineConfig:
     tensor_parallel_size: int = _option(1, "GPUs (one worker process each) the model's layers are split across")
     enable_expert_parallel: bool = _option(False, "MoE models: each of the tensor_parallel_size ranks holds whole "
                                            "experts (a share of them) instead of a slice of every expert")
+    custom_all_reduce: bool = _option(False, "tensor parallelism on CUDA: all-reduces up to 512 KiB through a "
+                                      "one-shot kernel over the ranks' CUDA IPC buffers instead of NCCL (off by default "
+                                      "until measured on two GPUs)")
     quantization: str | None = _option(None, "quantization method (default: the checkpoint's quant_method); fp8 on "
                                        "an unquantized checkpoint quantizes its linear layers at load")
     kv_cache_dtype: str = _option("auto", "KV-cache dtype: auto (the model dtype) or fp8 (e4m3, with the "

@@ -21,6 +21,7 @@ import torch.distributed as dist
 _tp_rank = 0
 _tp_size = 1
 _expert_parallel = False
+_custom_all_reduce = None  # hookllm.custom_all_reduce.CustomAllReduce, once init_custom_all_reduce made it
 
 
 def init_tensor_parallel(
@@ -85,9 +86,32 @@ def expert_parallel_enabled() -> bool:
     return _expert_parallel
 
 
+def init_custom_all_reduce(device: torch.device, max_bytes: int | None = None) -> bool:
+    """Take small all-reduces off NCCL (``hookllm.custom_all_reduce``): a collective, after
+    ``init_tensor_parallel``. Returns False, and NCCL keeps every all-reduce, where the ranks'
+    GPUs cannot reach each other's memory."""
+    global _custom_all_reduce
+    from hookllm.custom_all_reduce import DEFAULT_MAX_BYTES, CustomAllReduce
+
+    if _tp_size == 1:
+        return False
+    if device.type == "cuda":
+        reachable = torch.tensor([all(torch.cuda.can_device_access_peer(device, torch.device("cuda", peer))
+                                      for peer in range(torch.cuda.device_count()) if peer != device.index)],
+                                 dtype=torch.int32, device=device)
+        dist.all_reduce(reachable, op=dist.ReduceOp.MIN)  # every rank decides alike
+        if not reachable.item():
+            return False
+    _custom_all_reduce = CustomAllReduce(device, max_bytes or DEFAULT_MAX_BYTES)
+    return True
+
+
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over the ranks, in place; returns ``x`` (untouched with one rank)."""
+    """Sum ``x`` over the ranks, in place; returns ``x`` (untouched with one rank). Small messages
+    go through the one-shot kernel once ``init_custom_all_reduce`` ran, the rest through NCCL."""
     if _tp_size > 1:
+        if _custom_all_reduce is not None and _custom_all_reduce.can_reduce(x):
+            return _custom_all_reduce.all_reduce(x)
         dist.all_reduce(x)
     return x
 
@@ -110,7 +134,8 @@ def tensor_model_parallel_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor
 
 def destroy_tensor_parallel() -> None:
     """Leave the process group (if any) and go back to rank 0 of 1."""
-    global _tp_rank, _tp_size, _expert_parallel
+    global _tp_rank, _tp_size, _expert_parallel, _custom_all_reduce
+    _custom_all_reduce = None
     if dist.is_initialized():
         dist.destroy_process_group()
     _tp_rank, _tp_size, _expert_parallel = 0, 1, False

@@ -307,6 +307,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, x)
 
 
+def one_shot_all_reduce(x: torch.Tensor, peers, residual: torch.Tensor | None = None,
+                        weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """Sum ``x`` ``[rows, hidden]`` over the ranks through their mapped buffers, in place, in rank
+    order (float32, then the dtype: the same bits on every rank). With ``residual``: returns
+    ``(norm(sum + residual), sum + residual)`` as :func:`rms_norm` does, the second in
+    ``residual`` itself. ``peers`` is a :class:`hookllm.custom_all_reduce.PeerMemory`; the ranks
+    meet on its signal pads as the Triton kernel's program 0 does (a reference on the CPU: it
+    spins in Python)."""
+    rows, cols = x.shape
+    rank = peers.rank
+    views = [buffer[:x.numel() * x.element_size()].view(x.dtype).view(rows, cols) for buffer in peers.buffers]
+    views[rank].copy_(x)
+    epoch = int(peers.epochs[0]) + 1
+    _meet(peers, epoch)
+    total = torch.zeros(rows, cols, dtype=torch.float32, device=x.device)
+    for view in views:
+        total += view.float()
+    x.copy_(total.to(x.dtype))
+    _meet(peers, epoch + 1)
+    peers.epochs[0] = epoch + 1
+    if residual is None:
+        return x
+    normed, hidden = rms_norm(x, weight, eps, residual)
+    residual.copy_(hidden)
+    x.copy_(normed)
+    return x, residual
+
+
+def _meet(peers, epoch: int) -> None:
+    """Program 0's signal: ``epoch`` into slot (0, rank) of every pad, then wait for every rank's."""
+    world, rank = len(peers.buffers), peers.rank
+    for pad in peers.signals:
+        pad[rank] = epoch
+    own = peers.signals[rank]
+    while int(own[:world].min()) < epoch:
+        pass
+
+
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
                  head_dim: int) -> None:
     """Rotate ``q`` ``[tokens, heads * head_dim]`` and ``k`` in place by their tokens' positions.

@@ -134,3 +134,104 @@ def tp_worker(rank: int, world_size: int, init_method: str, cases: dict[str, str
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         cleanup_dist_env_and_memory()
+
+
+# Calls of the one-shot all-reduce test: (rows, cols, dtype, fused with residual + RMSNorm).
+ALL_REDUCE_CALLS = [(3, 16, torch.float32, False), (1, 16, torch.bfloat16, False), (5, 24, torch.bfloat16, True),
+                    (2, 16, torch.float32, True), (4, 8, torch.float32, False)]
+
+
+def all_reduce_inputs(rank: int, call: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Call ``call``'s (x, residual, weight) on ``rank``: x differs per rank; residual and weight agree.
+
+    Under the Triton interpreter every call is float32: it rounds float32 to bfloat16 toward
+    zero where the GPU rounds to nearest (bfloat16 is checked by the reference and on the GPU)."""
+    import os
+
+    rows, cols, dtype, _ = ALL_REDUCE_CALLS[call]
+    dtype = torch.float32 if os.environ.get("TRITON_INTERPRET") == "1" else dtype
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(100 * call + rank)).to(dtype)
+    shared = torch.Generator().manual_seed(999 + call)
+    return x, torch.randn(rows, cols, generator=shared).to(dtype), (1 + torch.randn(cols, generator=shared)).to(dtype)
+
+
+def custom_all_reduce_worker(rank: int, world_size: int, init_method: str, out_dir: str) -> None:
+    """One rank: every ``ALL_REDUCE_CALLS`` call through ``CustomAllReduce`` (the Triton kernel
+    under ``TRITON_INTERPRET=1``, else the torch reference) and through gloo's all_reduce (then
+    the reference norm)."""
+    import torch.distributed as dist
+
+    from hookllm.custom_all_reduce import CustomAllReduce
+    from hookllm.kernels import reference
+
+    torch.set_num_threads(1)
+    init_tensor_parallel(rank, world_size, "gloo", init_method)
+    try:
+        custom = CustomAllReduce(torch.device("cpu"), max_bytes=4096)
+        results = []
+        for call, (_, _, _, fused) in enumerate(ALL_REDUCE_CALLS):
+            x, residual, weight = all_reduce_inputs(rank, call)
+            expected = x.clone()
+            dist.all_reduce(expected)
+            if fused:
+                expected = reference.rms_norm(expected, weight, 1e-6, residual.clone())
+                got = custom.all_reduce_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+            else:
+                got = custom.all_reduce(x.clone())
+            results.append((got, expected))
+        torch.save({"results": results, "epochs": custom.peers.epochs.clone()}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        cleanup_dist_env_and_memory()
+
+
+def custom_all_reduce_gpu_worker(rank: int, world_size: int, init_method: str, out_dir: str) -> None:
+    """One rank on GPU ``rank % device_count`` (two ranks share one GPU where there is one):
+    eager calls of the one-shot all-reduce at a model's sizes, then the same calls captured in a
+    CUDA graph and replayed on new inputs; saves each result beside every rank's inputs."""
+    import torch.distributed as dist
+
+    from hookllm.custom_all_reduce import CustomAllReduce
+
+    init_tensor_parallel(rank, world_size, "gloo", init_method)
+    try:
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        custom = CustomAllReduce(device)
+        shapes = [(1, 4096), (7, 4096), (64, 2048), (3, 8192)]
+        weight = torch.rand(shapes[0][1], generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16) + 0.5
+
+        def inputs(seed: int) -> list[torch.Tensor]:
+            generator = torch.Generator().manual_seed(seed * world_size + rank)
+            return [torch.randn(shape, generator=generator).to(device, torch.bfloat16) for shape in shapes]
+
+        def calls(xs: list[torch.Tensor], residual: torch.Tensor) -> None:
+            custom.all_reduce_rms_norm(xs[0], residual, weight, 1e-5)
+            for x in xs[1:]:
+                custom.all_reduce(x)
+
+        def gathered(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+            every = [None] * world_size
+            dist.all_gather_object(every, [x.cpu() for x in xs])
+            return [torch.stack([ranks[i] for ranks in every]) for i in range(len(xs))]
+
+        records = []
+        residual = torch.randn(shapes[0], generator=torch.Generator().manual_seed(7)).to(device, torch.bfloat16)
+        eager = inputs(0)
+        sent, residual_before = gathered(eager), residual.cpu()
+        calls(eager, residual)
+        records.append((sent, residual_before, [x.cpu() for x in eager], residual.cpu()))
+        static = inputs(1)
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            calls(static, residual)
+        for replay in range(3):
+            for x, fresh in zip(static, inputs(2 + replay)):
+                x.copy_(fresh)
+            sent, residual_before = gathered(static), residual.cpu()
+            graph.replay()
+            torch.cuda.synchronize()
+            records.append((sent, residual_before, [x.cpu() for x in static], residual.cpu()))
+        torch.save({"records": records, "weight": weight.cpu()}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        cleanup_dist_env_and_memory()

@@ -35,13 +35,15 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connec
     try:
         import torch
 
-        from hookllm.distributed import init_tensor_parallel
+        from hookllm.distributed import init_custom_all_reduce, init_tensor_parallel
         from hookllm.worker.worker import Worker
 
         size = config.tensor_parallel_size
         cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
         init_tensor_parallel(rank, size, "nccl" if cuda else "gloo", init_method, device if cuda else None)
+        if config.custom_all_reduce and cuda:
+            init_custom_all_reduce(device)
         worker = Worker.from_config(replace(config, device=str(device)))
         conn.send(("ready", (worker.num_kv_blocks, worker.num_host_blocks, worker.kv_cache_groups)))
         sender = _ResultSender(conn) if rank == 0 else None
