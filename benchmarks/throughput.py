@@ -324,20 +324,23 @@ def completions_of(prompts: list[list[int]], max_tokens: list[int], args) -> tup
 def run_hookllm(path: Path, prompts, max_tokens, enforce_eager: bool, args) -> tuple[dict, object]:
     """``args.repeat`` timed calls of the workload on one engine; the row's rates are the median call's."""
     from hookllm import SamplingParams
+    from hookllm.kernels import compiled_triton_variants
 
     name = "hookllm" + (" eager" if enforce_eager else "")
     llm, startup = start_llm(path, args, 2048 + 64, enforce_eager)
     params = [SamplingParams(ignore_eos=True, max_tokens=n, **sampling(args)) for n in max_tokens]
     counted_prompts, counted_tokens = completions_of(prompts, max_tokens, args)
-    walls = []
+    walls, compiled = [], []
     for i in range(args.repeat):
         llm.reset_prefix_cache()  # every call computes the same prompts from scratch, as the first does
+        before = compiled_triton_variants()
         walls.append(timed_call(llm, prompts, params))
+        compiled.append(compiled_triton_variants() - before)  # a compile in a timed call: a warm-up gap
         print(f"{name} call {i + 1}/{args.repeat}: {sum(counted_tokens) / walls[-1]:.0f} output tok/s, "
-              f"{walls[-1]:.2f}s", flush=True)
+              f"{walls[-1]:.2f}s, {compiled[-1]} Triton variants compiled", flush=True)
     median = statistics.median_low(walls)  # of an even count, the faster middle call
     row = summarize(name if args.repeat == 1 else f"{name} median call", median, counted_prompts, counted_tokens)
-    row.update(repeat_stats(walls, sum(counted_tokens)))
+    row.update(repeat_stats(walls, sum(counted_tokens)), calls_triton_variants_compiled=compiled)
     row["startup"] = {**startup, "first_call_s": walls[0]}
     row["kv_cache_tokens"] = llm.engine.engine_core.block_manager.num_blocks * llm.engine.config.block_size
     return row, llm

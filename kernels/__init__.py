@@ -8,7 +8,8 @@ the module with ``rms_norm``, ``apply_rotary``, ``silu_and_mul``, ``filter_thres
 references elsewhere. :mod:`hookllm.kernels.triton_moe` holds the mixture-of-experts kernels
 (``fused_moe``; its ``route`` and ``moe_align`` are the reference's, torch on every device), twins
 of the reference's functions of those names.
-``compiled_triton_variants()`` counts the Triton kernel variants compiled so far.
+:mod:`hookllm.kernels.triton_all_reduce` holds the one-shot all-reduce (twin of the reference's
+``one_shot_all_reduce``). ``compiled_triton_variants()`` counts the Triton kernel variants compiled so far.
 """
 
 from __future__ import annotations
@@ -64,9 +65,10 @@ def compiled_triton_variants() -> int:
     add none. 0 under the Triton interpreter, which compiles nothing."""
     from triton.runtime.jit import JITFunction
 
-    from hookllm.kernels import triton_attention, triton_fp8, triton_moe, triton_ops
+    from hookllm.kernels import triton_all_reduce, triton_attention, triton_fp8, triton_moe, triton_ops
 
-    kernels = [fn for module in (triton_attention, triton_ops, triton_moe, triton_fp8) for fn in vars(module).values()
+    kernels = [fn for module in (triton_attention, triton_ops, triton_moe, triton_fp8, triton_all_reduce)
+               for fn in vars(module).values()
                if isinstance(fn, JITFunction)]
     # device_caches: per device, (kernel cache by specialization key, ...).
     return sum(len(caches[0]) for fn in kernels for caches in fn.device_caches.values())
