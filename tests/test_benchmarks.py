@@ -74,7 +74,8 @@ def test_sliding_layers_read_at_most_their_window_of_each_context(throughput):
 
 
 def test_physical_limit_reproduces_the_recorded_decode_limits(throughput):
-    prompts, max_tokens = throughput.workload_a()
+    from argparse import Namespace
+
     checked = 0
     for path in BENCHMARKS.glob("results/throughput-*.json"):
         run = json.loads(path.read_text())
@@ -82,6 +83,10 @@ def test_physical_limit_reproduces_the_recorded_decode_limits(throughput):
             continue
         if throughput.sliding_layers(throughput.SHAPES[run["model"]]):
             continue  # recorded before the limit capped sliding layers' K/V reads at their window
+        # The run's workload: its request count, each prompt's n completions counted as sequences.
+        n = run.get("sampling", {}).get("n", 1)
+        requests = run["results"]["hookllm"]["num_requests"] // n
+        prompts, max_tokens = throughput.completions_of(*throughput.workload_a(requests), Namespace(n=n))
         inputs = run["physical_limit_inputs"]
         limit = throughput.physical_limit(throughput.SHAPES[run["model"]], prompts, max_tokens,
                                           inputs.get("checkpoint_weight_bytes", inputs["weight_bytes"]), max_batch=256,
