@@ -115,10 +115,11 @@ class CustomAllReduce:
 
     def all_reduce_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(sum(x) + residual), sum(x) + residual)``, both in place (``x`` and ``residual``)."""
+        """``(norm(sum(x) + residual), sum(x) + residual)``: the first in ``x`` itself, the second new."""
         cols = x.shape[-1]
-        self._kernel(x).one_shot_all_reduce(x.view(-1, cols), self.peers, residual.view(-1, cols), weight, eps)
-        return x, residual
+        _, hidden = self._kernel(x).one_shot_all_reduce(x.view(-1, cols), self.peers, residual.reshape(-1, cols),
+                                                        weight, eps)
+        return x, hidden.view(residual.shape)
 
     @staticmethod
     def _kernel(x: torch.Tensor):

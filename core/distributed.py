@@ -116,6 +116,27 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def custom_all_reduce_enabled() -> bool:
+    """Whether ``init_custom_all_reduce`` took small all-reduces off NCCL in this process (models
+    then leave their row-parallel sums to the norm after them: ``all_reduce_rms_norm``)."""
+    return _custom_all_reduce is not None
+
+
+def tensor_model_parallel_all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(sum(x) + residual), sum(x) + residual)`` with ``x`` each rank's partial sum:
+    the one-shot kernel does all of it in one launch when it takes ``x``, else NCCL's all-reduce
+    then the norm. ``x`` is overwritten."""
+    if _custom_all_reduce is not None and _custom_all_reduce.can_reduce(x):
+        return _custom_all_reduce.all_reduce_rms_norm(x, residual, weight, eps)
+    from hookllm.kernels import ops_for
+
+    cols = x.shape[-1]
+    normed, hidden = ops_for(x).rms_norm(tensor_model_parallel_all_reduce(x).reshape(-1, cols), weight, eps,
+                                         residual.reshape(-1, cols))
+    return normed.view(x.shape), hidden.view(residual.shape)
+
+
 def tensor_model_parallel_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order, on every rank (all-gather).
 

@@ -311,8 +311,8 @@ def one_shot_all_reduce(x: torch.Tensor, peers, residual: torch.Tensor | None = 
                         weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """Sum ``x`` ``[rows, hidden]`` over the ranks through their mapped buffers, in place, in rank
     order (float32, then the dtype: the same bits on every rank). With ``residual``: returns
-    ``(norm(sum + residual), sum + residual)`` as :func:`rms_norm` does, the second in
-    ``residual`` itself. ``peers`` is a :class:`hookllm.custom_all_reduce.PeerMemory`; the ranks
+    ``(norm(sum + residual), sum + residual)`` as :func:`rms_norm` does, the first in ``x``
+    itself, the second a new tensor. ``peers`` is a :class:`hookllm.custom_all_reduce.PeerMemory`; the ranks
     meet on its signal pads as the Triton kernel's program 0 does (a reference on the CPU: it
     spins in Python)."""
     rows, cols = x.shape
@@ -330,9 +330,8 @@ def one_shot_all_reduce(x: torch.Tensor, peers, residual: torch.Tensor | None = 
     if residual is None:
         return x
     normed, hidden = rms_norm(x, weight, eps, residual)
-    residual.copy_(hidden)
     x.copy_(normed)
-    return x, residual
+    return x, hidden
 
 
 def _meet(peers, epoch: int) -> None:

@@ -8,7 +8,8 @@ the CPU), so a program loads its rows straight from all of them. Program ``p`` o
 2. writes the call's epoch into slot ``(p, rank)`` of every rank's signal pad and waits until
    its own pad's slots ``(p, r)`` hold it for every rank ``r`` (their rows are in place),
 3. sums those rows of every buffer in rank order (float32; the same bits on every rank), adds
-   the residual and applies RMSNorm when asked, and writes the result over ``x``,
+   the residual and applies RMSNorm when asked, and writes the result over ``x`` (the new
+   residual, ``sum + residual``, into a tensor of its own),
 4. meets the other ranks' program ``p`` once more (epoch + 1), so no rank's next call writes
    its buffer while another still reads it.
 
@@ -45,9 +46,9 @@ def _meet(signal_table_ptr, program, epoch, RANK: tl.constexpr, WORLD: tl.conste
 
 
 @triton.jit
-def _one_shot_all_reduce_kernel(x_ptr, buffer_table_ptr, signal_table_ptr, epochs_ptr, residual_ptr, weight_ptr,
-                                rows, cols, eps, RANK: tl.constexpr, WORLD: tl.constexpr, NORM: tl.constexpr,
-                                BLOCK: tl.constexpr):
+def _one_shot_all_reduce_kernel(x_ptr, buffer_table_ptr, signal_table_ptr, epochs_ptr, residual_ptr, residual_out_ptr,
+                                weight_ptr, rows, cols, eps, RANK: tl.constexpr, WORLD: tl.constexpr,
+                                NORM: tl.constexpr, BLOCK: tl.constexpr):
     program = tl.program_id(0)
     programs = tl.num_programs(0)
     offsets = tl.arange(0, BLOCK)
@@ -68,7 +69,7 @@ def _one_shot_all_reduce_kernel(x_ptr, buffer_table_ptr, signal_table_ptr, epoch
             # As the reference: the residual added in the model dtype, the norm in float32,
             # rounded back before the weight multiply.
             hidden = (reduced + tl.load(residual_ptr + row * cols + offsets, mask=in_row, other=0.0)).to(dtype)
-            tl.store(residual_ptr + row * cols + offsets, hidden, mask=in_row)
+            tl.store(residual_out_ptr + row * cols + offsets, hidden, mask=in_row)
             h = hidden.to(tl.float32)
             scale = tl.rsqrt(tl.sum(h * h, axis=0) / cols + eps)
             weight = tl.load(weight_ptr + offsets, mask=in_row, other=0.0)
@@ -84,9 +85,11 @@ def one_shot_all_reduce(x: torch.Tensor, peers, residual: torch.Tensor | None = 
     if x.numel() * x.element_size() > peers.buffers[peers.rank].numel():
         raise ValueError(f"{x.numel() * x.element_size()} bytes do not fit the {peers.buffers[peers.rank].numel()}-byte "
                          "all-reduce buffer")
+    residual_out = None if residual is None else torch.empty_like(residual)
     if rows:
         _one_shot_all_reduce_kernel[(min(rows, MAX_PROGRAMS),)](
             x, peers.buffer_table, peers.signal_table, peers.epochs, x if residual is None else residual,
-            x if weight is None else weight, rows, cols, eps, RANK=peers.rank, WORLD=len(peers.buffers),
-            NORM=residual is not None, BLOCK=triton.next_power_of_2(cols), num_warps=8 if cols >= 4096 else 4)
-    return x if residual is None else (x, residual)
+            x if residual_out is None else residual_out, x if weight is None else weight, rows, cols, eps,
+            RANK=peers.rank, WORLD=len(peers.buffers), NORM=residual is not None, BLOCK=triton.next_power_of_2(cols),
+            num_warps=8 if cols >= 4096 else 4)
+    return x if residual is None else (x, residual_out)

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import tp_helpers
-from hookllm import distributed
+from hookllm import distributed, testing
 from hookllm.custom_all_reduce import DEFAULT_MAX_BYTES, CustomAllReduce
 
 WORLD = 2
+PROMPTS = testing.random_prompts(2, 320, min_len=5, max_len=20, seed=3)
 
 
 def run(tmp_path, monkeypatch, interpret: bool) -> list[dict]:
@@ -74,3 +75,33 @@ def test_only_small_contiguous_tensors_of_this_device_are_taken():
 
 def test_one_rank_never_builds_a_custom_all_reduce():
     assert distributed.init_custom_all_reduce(torch.device("cpu")) is False
+
+
+@pytest.fixture(scope="module")
+def model_ranks(tmp_path_factory):
+    """The bias-carrying Llama case on two ranks with the one-shot all-reduce: (TP=1 logits, ranks)."""
+    root = tmp_path_factory.mktemp("allreduce-model")
+    path = testing.build_tiny_checkpoint(tp_helpers.CASES["llama-gqa-bias"](), root / "model")
+    tp_helpers.randomize_biases(path)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        tp_helpers.run_ranks(tp_helpers.custom_all_reduce_model_worker, WORLD,
+                             (WORLD, f"file://{root}/init", str(path), PROMPTS, str(root)))
+    tp1 = tp_helpers.paged_logits(tp_helpers.build_model(path), PROMPTS)
+    return tp1, [torch.load(root / f"rank{rank}.pt") for rank in range(WORLD)]
+
+
+def test_a_model_leaves_its_row_parallel_sums_to_the_norms_after_them(model_ranks):
+    _, ranks = model_ranks
+    for rank in ranks:
+        assert not any(rank["o_proj_reduces"])
+        # Layer 0's input norm reads the embedding (reduced already); every later norm reduces.
+        assert rank["norms_reduce"][0] == (False, True)
+        assert all(pair == (True, True) for pair in rank["norms_reduce"][1:-1]) and rank["norms_reduce"][-1] is True
+
+
+def test_a_model_with_the_one_shot_all_reduce_gives_tp1s_logits_on_every_rank(model_ranks):
+    tp1, ranks = model_ranks
+    for rank in ranks:
+        assert (rank["logits"] - tp1).abs().max() < testing.LOGITS_ATOL
+    assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])

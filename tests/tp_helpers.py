@@ -204,10 +204,11 @@ def custom_all_reduce_gpu_worker(rank: int, world_size: int, init_method: str, o
             generator = torch.Generator().manual_seed(seed * world_size + rank)
             return [torch.randn(shape, generator=generator).to(device, torch.bfloat16) for shape in shapes]
 
-        def calls(xs: list[torch.Tensor], residual: torch.Tensor) -> None:
-            custom.all_reduce_rms_norm(xs[0], residual, weight, 1e-5)
+        def calls(xs: list[torch.Tensor], residual: torch.Tensor) -> torch.Tensor:
+            _, hidden = custom.all_reduce_rms_norm(xs[0], residual, weight, 1e-5)
             for x in xs[1:]:
                 custom.all_reduce(x)
+            return hidden
 
         def gathered(xs: list[torch.Tensor]) -> list[torch.Tensor]:
             every = [None] * world_size
@@ -217,21 +218,42 @@ def custom_all_reduce_gpu_worker(rank: int, world_size: int, init_method: str, o
         records = []
         residual = torch.randn(shapes[0], generator=torch.Generator().manual_seed(7)).to(device, torch.bfloat16)
         eager = inputs(0)
-        sent, residual_before = gathered(eager), residual.cpu()
-        calls(eager, residual)
-        records.append((sent, residual_before, [x.cpu() for x in eager], residual.cpu()))
+        sent = gathered(eager)
+        hidden = calls(eager, residual)
+        records.append((sent, residual.cpu(), [x.cpu() for x in eager], hidden.cpu()))
         static = inputs(1)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
-            calls(static, residual)
+            hidden = calls(static, residual)
         for replay in range(3):
             for x, fresh in zip(static, inputs(2 + replay)):
                 x.copy_(fresh)
-            sent, residual_before = gathered(static), residual.cpu()
+            sent = gathered(static)
             graph.replay()
             torch.cuda.synchronize()
-            records.append((sent, residual_before, [x.cpu() for x in static], residual.cpu()))
+            records.append((sent, residual.cpu(), [x.cpu() for x in static], hidden.cpu()))
         torch.save({"records": records, "weight": weight.cpu()}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        cleanup_dist_env_and_memory()
+
+
+def custom_all_reduce_model_worker(rank: int, world_size: int, init_method: str, checkpoint: str,
+                                   prompts: list[list[int]], out_dir: str) -> None:
+    """One rank of a model whose row-parallel sums go through the one-shot all-reduce (the torch
+    reference on the CPU), left to the norms after them: its logits and where it reduces."""
+    from hookllm.distributed import init_custom_all_reduce
+
+    torch.set_num_threads(1)
+    init_tensor_parallel(rank, world_size, "gloo", init_method)
+    try:
+        assert init_custom_all_reduce(torch.device("cpu"), max_bytes=1 << 20)
+        model = build_model(Path(checkpoint))
+        layers = model.model.layers
+        torch.save({"logits": paged_logits(model, prompts),
+                    "o_proj_reduces": [layer.self_attn.o_proj.reduce_results for layer in layers],
+                    "norms_reduce": [(layer.input_layernorm.reduces_input, layer.post_attention_layernorm.reduces_input)
+                                     for layer in layers] + [model.model.norm.reduces_input]},
+                   Path(out_dir) / f"rank{rank}.pt")
     finally:
         cleanup_dist_env_and_memory()

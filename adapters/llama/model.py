@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hookllm.config import layer_sliding_windows
+from hookllm.distributed import custom_all_reduce_enabled
 from hookllm.layers import (
     Attention, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm, RowParallelLinear,
     SiluAndMul, VocabParallelEmbedding, get_rope,
@@ -120,6 +121,8 @@ class DecoderModel(nn.Module):
             for index, window in enumerate(layer_sliding_windows(config))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if custom_all_reduce_enabled():
+            defer_reductions_to_norms(self)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
@@ -130,6 +133,23 @@ class DecoderModel(nn.Module):
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+
+def defer_reductions_to_norms(model: DecoderModel) -> None:
+    """Leave the tensor-parallel sum of each layer's o and down projections to the RMSNorm after
+    it (the layer's post-attention norm, the next layer's input norm, the final norm), which does
+    the sum, the residual add and the norm in one kernel. A block without such a projection (an
+    MoE layer's experts) keeps its own reduce."""
+    norms_after_mlp = [layer.input_layernorm for layer in model.layers[1:]] + [model.norm]
+    for layer, norm_after_mlp in zip(model.layers, norms_after_mlp):
+        _defer_reduction(getattr(layer.self_attn, "o_proj", None), layer.post_attention_layernorm)
+        _defer_reduction(getattr(layer.mlp, "down_proj", None), norm_after_mlp)
+
+
+def _defer_reduction(projection: nn.Module | None, norm: RMSNorm) -> None:
+    if isinstance(projection, RowParallelLinear) and projection.reduce_results:
+        projection.reduce_results = False  # its bias is then added by rank 0 alone, before the sum
+        norm.reduces_input = True
 
 
 class LlamaForCausalLM(nn.Module):
