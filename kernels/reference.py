@@ -307,12 +307,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, x)
 
 
-def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T + bias`` for one row of ``x``: float32 products and sums, rounded to the dtype once
-    (as cuBLAS's bf16 matmuls accumulate)."""
-    return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-
-
 def one_shot_all_reduce(x: torch.Tensor, peers, residual: torch.Tensor | None = None,
                         weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """Sum ``x`` ``[rows, hidden]`` over the ranks through their mapped buffers, in place, in rank

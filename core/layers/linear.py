@@ -61,18 +61,6 @@ def check_loaded_shape(loaded: LoadedWeight, expected: tuple[int, ...], what: st
         raise ValueError(f"{what}: checkpoint shape {loaded_shape(loaded)} != expected {expected}")
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, except for one row of bf16/fp16 on CUDA (a batch-1 decode step), which
-    goes to the matrix-vector kernel (``hookllm.kernels.triton_matvec``): cuBLAS's one-row
-    kernels leave a quarter of the bandwidth unused."""
-    if (x.is_cuda and x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.stride(-1) == 1 and not torch.compiler.is_compiling()):
-        from hookllm.kernels.triton_matvec import matvec
-
-        return matvec(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
 def _divide(total: int, parts: int, what: str) -> int:
     if total % parts:
         raise ValueError(f"{what}={total} is not divisible by tensor_parallel_size={parts}")
@@ -131,7 +119,7 @@ class _ShardedLinear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T + bias`` on this rank's shard, through the quantization method if any."""
         if self.quant_method is None:
-            return dense(x, self.weight, bias)
+            return F.linear(x, self.weight, bias)
         return self.quant_method.apply(self, x, bias)
 
     def _out_range(self, shard: str | None) -> tuple[int, int, int, int]:

@@ -15,7 +15,7 @@ from torch import nn
 from hookllm.distributed import (
     get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce, tensor_model_parallel_gather,
 )
-from hookllm.layers.linear import LoadedWeight, check_loaded_shape, dense, narrow_loaded
+from hookllm.layers.linear import LoadedWeight, check_loaded_shape, narrow_loaded
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -55,7 +55,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     ``[rows, vocab]`` logits (padding columns dropped), exactly as without parallelism."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = dense(hidden_states, self.weight)
+        logits = F.linear(hidden_states, self.weight)
         if self.tp_size == 1:
             return logits
         logits = tensor_model_parallel_gather(logits, dim=-1)
