@@ -177,10 +177,7 @@ def prefill_flops(config: dict, prompts: list[list[int]]) -> float:
 
 
 def fp8_prefill_flops(config: dict, prompts: list[list[int]]) -> float:
-    """The part of ``prefill_flops`` in the layers that Sampling: temperature 0.6, plus ``--top-p``, ``--top-k``, ``--min-p``, the penalties and ``--n``
-when given (``--n k``: k completions of each prompt, every one's tokens counted; no peers then).
-
-``--quantization fp8`` quantizes."""
+    """The part of ``prefill_flops`` in the layers that ``--quantization fp8`` quantizes."""
     return 2.0 * config["num_hidden_layers"] * fp8_params_per_layer(config) * sum(len(p) for p in prompts)
 
 

@@ -118,23 +118,18 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 def custom_all_reduce_enabled() -> bool:
     """Whether ``init_custom_all_reduce`` took small all-reduces off NCCL in this process (models
-    then leave their row-parallel sums to the norm after them: ``all_reduce_rms_norm``)."""
+    then leave their row-parallel sums to the norm after them: ``custom_all_reduce_rms_norm``)."""
     return _custom_all_reduce is not None
 
 
-def tensor_model_parallel_all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(sum(x) + residual), sum(x) + residual)`` with ``x`` each rank's partial sum:
-    the one-shot kernel does all of it in one launch when it takes ``x``, else NCCL's all-reduce
-    then the norm. ``x`` is overwritten."""
+def custom_all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(rms_norm(sum(x) + residual), sum(x) + residual)`` with ``x`` each rank's partial sum, in
+    one launch of the one-shot kernel (``x`` is overwritten); None where that kernel does not take
+    ``x``, for the caller to all-reduce it and norm as usual."""
     if _custom_all_reduce is not None and _custom_all_reduce.can_reduce(x):
         return _custom_all_reduce.all_reduce_rms_norm(x, residual, weight, eps)
-    from hookllm.kernels import ops_for
-
-    cols = x.shape[-1]
-    normed, hidden = ops_for(x).rms_norm(tensor_model_parallel_all_reduce(x).reshape(-1, cols), weight, eps,
-                                         residual.reshape(-1, cols))
-    return normed.view(x.shape), hidden.view(residual.shape)
+    return None
 
 
 def tensor_model_parallel_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

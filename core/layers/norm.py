@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hookllm.distributed import tensor_model_parallel_all_reduce_rms_norm
+from hookllm.distributed import custom_all_reduce_rms_norm, tensor_model_parallel_all_reduce
 from hookllm.kernels import ops_for
 
 
@@ -29,7 +29,10 @@ class RMSNorm(nn.Module):
         kernel on CUDA.
         """
         if residual is not None and self.reduces_input:
-            return tensor_model_parallel_all_reduce_rms_norm(x, residual, self.weight, self.eps)
+            fused = custom_all_reduce_rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
+            x = tensor_model_parallel_all_reduce(x)  # too large for the one-shot kernel: NCCL's, then the norm
         shape = x.shape
         out = ops_for(x).rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps,
                                   None if residual is None else residual.reshape(-1, shape[-1]))

@@ -177,12 +177,10 @@ class Scheduler:
                 new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
                                                    request.sampling_params, request.mm_items))
                 request.num_synced_tokens = request.num_prompt_tokens
-            all_token_ids = request.all_token_ids
-            new_token_ids.append(all_token_ids[request.num_synced_tokens:])
-            request.num_synced_tokens = len(all_token_ids)
+            new_token_ids.append(request.all_token_ids[request.num_synced_tokens:])
+            request.num_synced_tokens = len(request.all_token_ids)
             request.num_computed_tokens += count
-            # request.num_tokens, inlined: this runs for every scheduled request of every step
-            if request.num_computed_tokens == len(all_token_ids) + request.num_output_placeholders:
+            if request.num_computed_tokens == request.num_tokens:
                 sampling_rows.append(row)
                 request.num_output_placeholders += 1
         finished, self.finished_request_ids = self.finished_request_ids, []
