@@ -9,7 +9,8 @@ L2 flushed between calls).
 
     python benchmarks/sampling.py [--rows 1 64 256] [--tune]
 
-``--tune`` also times the filter kernel with other lane counts and warps. Writes JSON to
+``--tune`` also times the filter kernel with other lane counts and warps, and the sampling
+kernel with other column ranges per SM, warps and tile widths (checking it picks the same tokens). Writes JSON to
 benchmarks/results/sampling.json (or ``--out``).
 """
 
@@ -83,9 +84,9 @@ def penalty_row(rows: int) -> dict:
 
 
 def tune(rows: int) -> list[dict]:
-    """The filter kernel's time with other lane counts and warps, on peaked logits."""
-    logits = torch.randn(rows, VOCAB, device="cuda") * SPREADS["peaked"]
-    cases = {name: filter_args(logits, *FILTERS[name]) for name in ("top_p 0.9 + top_k 50", "top_p 0.95")}
+    """The filter kernel's time with other lane counts and warps, for every filter on both logits shapes."""
+    cases = {f"{name}, {spread_name}": filter_args(torch.randn(rows, VOCAB, device="cuda") * spread, *FILTERS[name])
+             for spread_name, spread in SPREADS.items() for name in FILTERS}
     chosen = triton_ops.FILTER_LANES, triton_ops.FILTER_WARPS
     results = []
     for lanes in (1024, 2048):
@@ -94,6 +95,29 @@ def tune(rows: int) -> list[dict]:
             results.append(dict(lanes=lanes, warps=warps, **{name: time_ms(lambda: triton_ops.filter_thresholds(*args))
                                                             for name, args in cases.items()}))
     triton_ops.FILTER_LANES, triton_ops.FILTER_WARPS = chosen
+    return results
+
+
+def tune_sampler(rows_list: list[int]) -> list[dict]:
+    """The sampling kernel's time (temperature only, flat logits) by programs per SM, warps and
+    tile width, at each row count; ``same`` says whether it drew the default settings' tokens."""
+    chosen = triton_ops.SAMPLER_PROGRAMS_PER_SM, triton_ops.SAMPLER_WARPS, triton_ops.SAMPLER_BLOCK
+    results = []
+    for rows in rows_list:
+        logits = torch.randn(rows, VOCAB, device="cuda") * SPREADS["flat"]
+        keys = torch.randint(0, 2**32, (rows,), device="cuda")
+        temperature = torch.full((rows,), 0.8, device="cuda")
+        expected = triton_ops.sample_with_hashed_noise(logits, temperature, keys)
+        for per_sm in (2, 4, 8, 16):
+            for warps in (4, 8):
+                for block in (1024, 2048, 4096):
+                    triton_ops.SAMPLER_PROGRAMS_PER_SM, triton_ops.SAMPLER_WARPS, triton_ops.SAMPLER_BLOCK = (
+                        per_sm, warps, block)
+                    same = torch.equal(triton_ops.sample_with_hashed_noise(logits, temperature, keys), expected)
+                    results.append(dict(rows=rows, programs_per_sm=per_sm, warps=warps, block=block, same=same,
+                                        sample_ms=time_ms(lambda: triton_ops.sample_with_hashed_noise(
+                                            logits, temperature, keys))))
+        triton_ops.SAMPLER_PROGRAMS_PER_SM, triton_ops.SAMPLER_WARPS, triton_ops.SAMPLER_BLOCK = chosen
     return results
 
 
@@ -118,10 +142,19 @@ def main() -> None:
         print(f"{m['rows']:>5} {m['triton_ms']:>21.3f} {m['torch_ms']:>9.3f}")
     if args.tune:
         payload["tune"] = tune(max(args.rows))
-        print(f"\nfilter kernel at {max(args.rows)} rows, peaked logits (ms):")
+        print(f"\nfilter kernel at {max(args.rows)} rows (ms):")
         for m in payload["tune"]:
             print(f"  lanes {m['lanes']:>5} warps {m['warps']:>3}: " +
                   ", ".join(f"{name} {ms:.3f}" for name, ms in m.items() if name not in ("lanes", "warps")))
+        payload["tune_sampler"] = tune_sampler(args.rows)
+        print("\nsampling kernel, temperature only (ms), fastest five per row count:")
+        for rows in args.rows:
+            measured = sorted((m for m in payload["tune_sampler"] if m["rows"] == rows), key=lambda m: m["sample_ms"])
+            default = next(m for m in measured if (m["programs_per_sm"], m["warps"], m["block"]) == (
+                triton_ops.SAMPLER_PROGRAMS_PER_SM, triton_ops.SAMPLER_WARPS, triton_ops.SAMPLER_BLOCK))
+            print(f"  {rows} rows: default {default['sample_ms']:.4f}; " + ", ".join(
+                f"{m['programs_per_sm']}/sm x{m['warps']}w x{m['block']} {m['sample_ms']:.4f}{'' if m['same'] else ' DIFFERENT'}"
+                for m in measured[:5]))
     print("wrote", write_result("sampling", payload, args.out))
 
 

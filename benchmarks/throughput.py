@@ -268,6 +268,8 @@ def precision_suffix(args) -> str:
 
 def engine_kwargs(args) -> dict:
     impl = {} if args.model_impl is None else dict(model_impl=args.model_impl)
+    if getattr(args, "distributed_executor_backend", None):
+        impl["distributed_executor_backend"] = args.distributed_executor_backend
     if args.tiny:
         return dict(device="cpu", dtype="float32", **impl, **precision(args))
     dummy = {} if has_weights(checkpoint(args)) else dict(load_format="dummy")  # a config-only shape
@@ -498,7 +500,9 @@ def run_throughput(path: Path, config: dict, weight_bytes: int, payload: dict, a
                    physical_limit_inputs=limit)
     payload.update(sampling=sampling(args), peer_sampling=peer_sampling(args))
     name = (f"throughput-{payload['model']}" + ("" if args.workload == "a" else f"-{args.workload}")
-            + sampling_suffix(args) + precision_suffix(args))
+            + sampling_suffix(args) + precision_suffix(args)
+            + (f"-{args.distributed_executor_backend}" if args.distributed_executor_backend else ""))
+    payload.update(distributed_executor_backend=args.distributed_executor_backend or "uni")
 
     def save() -> None:  # after every engine, so a run cut short keeps what it measured
         write_result(name, payload, args.out)
@@ -603,6 +607,8 @@ def main() -> None:
                         help="the model's implementation (default: the engine's choice, native where one exists)")
     parser.add_argument("--skip-cb", action="store_true")
     parser.add_argument("--skip-static", action="store_true")
+    parser.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
+                        help="mp: the model worker in a process of its own (default: the engine's process)")
     parser.add_argument("--eager-too", action="store_true", help="also time hookllm with enforce_eager")
     parser.add_argument("--static-batch-size", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=256)

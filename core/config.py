@@ -17,6 +17,7 @@ DTYPES = {
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 is e4m3 (vLLM's names)
 PREEMPTION_MODES = ("recompute", "swap")
+EXECUTOR_BACKENDS = ("uni", "mp")
 # "transformers" is the bundled fallback plugin (hookllm.adapters.transformers; docs/models.md).
 MODEL_IMPLS = ("auto", "native", "transformers")
 
@@ -153,6 +154,10 @@ class EngineConfig:
     tensor_parallel_size: int = _option(1, "GPUs (one worker process each) the model's layers are split across")
     enable_expert_parallel: bool = _option(False, "MoE models: each of the tensor_parallel_size ranks holds whole "
                                            "experts (a share of them) instead of a slice of every expert")
+    distributed_executor_backend: str | None = _option(
+        None, "where the model runs: uni, in the engine's process (one rank only), or mp, a process per rank, "
+        "which at tensor_parallel_size 1 runs the worker's host work (inputs, launches) beside the scheduler's "
+        "and the output processing (default: uni for one rank, mp for several)", choices=list(EXECUTOR_BACKENDS))
     custom_all_reduce: bool = _option(False, "tensor parallelism on CUDA: all-reduces up to 512 KiB through a "
                                       "one-shot kernel over the ranks' CUDA IPC buffers instead of NCCL (off by default "
                                       "until measured on two GPUs)")
@@ -166,6 +171,11 @@ class EngineConfig:
                                    "wait in host memory and come back as they were", choices=list(PREEMPTION_MODES))
     swap_space: float = _option(4.0, "GiB of host memory (pinned on CUDA) per worker for swapped KV blocks "
                                 "(preemption_mode=swap)")
+
+    @property
+    def worker_in_own_process(self) -> bool:
+        """Whether the model runs in worker processes (``distributed_executor_backend``'s "mp")."""
+        return self.tensor_parallel_size > 1 or self.distributed_executor_backend == "mp"
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -187,6 +197,12 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size is "
+                             f"{self.tensor_parallel_size} (use 'mp')")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -1,5 +1,6 @@
 """Tensor parallelism through the engine: two gloo ranks in spawned worker processes, fed the
-engine's snapshots, give TP=1's tokens and logprobs; a dead rank is an error, never a hang."""
+engine's snapshots, give TP=1's tokens and logprobs; a dead rank is an error, never a hang. One
+rank in a process of its own (``distributed_executor_backend="mp"``) gives the in-process worker's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 import pytest
 
 import tp_helpers
-from hookllm import LLM, SamplingParams, testing
+from hookllm import LLM, EngineConfig, SamplingParams, testing
 from hookllm.worker.multiproc_executor import WorkerError
 from llava_fixtures import checkpoint, random_image  # noqa: F401 - checkpoint is a module fixture
 
@@ -76,6 +77,21 @@ def test_tp2_llava_shards_the_decoder_and_answers_as_tp1(checkpoint):  # noqa: F
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     finally:
         llm.engine.shutdown()
+
+
+def test_one_rank_in_a_worker_process_samples_what_the_in_process_worker_does(checkpoints):
+    path = checkpoints["llama-gqa-bias"]
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True, logprobs=2)
+    options = dict(num_kv_blocks=64, async_scheduling=True)
+    in_process = run(cpu_llm(path, **options), PROMPTS, params)
+    llm = cpu_llm(path, distributed_executor_backend="mp", **options)
+    assert len(llm.engine.engine_core.worker.processes) == 1
+    assert_same_outputs(in_process, run(llm, PROMPTS, params))
+
+
+def test_the_in_process_backend_with_several_ranks_is_refused():
+    with pytest.raises(ValueError, match="distributed_executor_backend='uni' runs one rank; tensor_parallel_size is 2"):
+        EngineConfig(model="unused", tensor_parallel_size=2, distributed_executor_backend="uni")
 
 
 def test_heads_not_divisible_by_the_ranks_is_refused_before_loading(checkpoints):

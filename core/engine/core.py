@@ -71,9 +71,10 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, hooks: ActiveHooks,
                  registry: ModelRegistry, tokenizer: Any | None):
-        # One rank: the worker lives here. Several: one process per rank, fed the same snapshots.
-        self.worker = (Worker(config, model_config, hooks, registry)
-                       if config.tensor_parallel_size == 1 else MultiprocWorkers(config))
+        # One rank: the worker lives here, unless asked to run apart. Several: one process per
+        # rank, fed the same snapshots.
+        self.worker = (MultiprocWorkers(config) if config.worker_in_own_process
+                       else Worker(config, model_config, hooks, registry))
         self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           self.worker.kv_cache_groups.windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -181,7 +182,7 @@ class EngineCore:
         for request, row in self.scheduler.update_from_output(batch, token_ids):
             entry = logprobs[row]
             outputs.append(EngineCoreOutput(
-                request.request_id, [request.output_token_ids[-1]], None if entry is None else [entry],
+                request.request_id, [token_ids[row]], None if entry is None else [entry],
                 prompt_logprobs.pop(request.request_id, None) if prompt_logprobs else None,
                 request.status.value if request.is_finished else None, request.stop_reason,
                 request.num_cached_tokens or 0))

@@ -19,9 +19,9 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
 
 
-FINISHED_STATUSES = frozenset(
-    (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
-)
+# A tuple, not a set: ``in`` compares members by identity first, where a set would call the
+# enum's Python-level __hash__ (once per running request per step, in the engine's hot loop).
+FINISHED_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
 @dataclass

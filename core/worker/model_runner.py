@@ -83,6 +83,7 @@ class StepOutput:
                  prompt_logprobs: dict[str, tuple[torch.Tensor, ...]] | None = None,
                  deferred: Callable[[], SampledTokens] | None = None, device: torch.device | None = None):
         self.request_ids = request_ids  # the request of each row
+        self._rows: dict[str, int] | None = None  # row_of's index, built on first use
         # By request: (prompt tokens' logprobs, ranks, top-k values, top-k ids) for this step's chunk.
         self._prompt_logprobs = {request_id: tuple(t.to("cpu", non_blocking=True) for t in parts)
                                  for request_id, parts in (prompt_logprobs or {}).items()}
@@ -132,6 +133,12 @@ class StepOutput:
         if self._done is not None:
             self._done.synchronize()
         return self._sampled.tolist()
+
+    def row_of(self, request_id: str) -> int:
+        """The row that sampled ``request_id``'s token."""
+        if self._rows is None:
+            self._rows = {request_id: row for row, request_id in enumerate(self.request_ids)}
+        return self._rows[request_id]
 
     def token_ids_by_request(self) -> dict[str, int]:
         return dict(zip(self.request_ids, self.token_ids()))
@@ -218,25 +225,36 @@ class ModelRunner:
 
     def build_inputs(self, batch: Batch, scheduler_output: SchedulerOutput) -> ModelInputs:
         requests, counts_list = batch.requests, batch.num_scheduled_tokens
-        starts_list = [r.num_computed_tokens for r in requests]
-        previous_rows = ({request_id: row for row, request_id in enumerate(batch.previous.request_ids)}
-                         if batch.previous is not None else {})
-        token_ids: list[int] = []
-        # Rows whose token was sampled by the step still on the device: copied there from its output.
-        pending_rows: list[int] = []
-        pending_sources: list[int] = []
-        for request, start, count in zip(requests, starts_list, counts_list):
-            known = request.all_token_ids[start:start + count]
-            token_ids += known
-            if len(known) < count:
-                pending_rows.append(len(token_ids))
-                pending_sources.append(previous_rows[request.request_id])
-                token_ids.append(0)
         counts = np.asarray(counts_list, dtype=np.int64)
-        starts = np.asarray(starts_list, dtype=np.int64)
-        num_seqs, num_tokens = len(counts_list), len(token_ids)
+        starts = np.asarray(scheduler_output.num_computed_tokens, dtype=np.int64)
+        num_seqs = len(counts_list)
         query_start = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+        # A row's token ids are known on the host up to its request's length; with async
+        # scheduling its last one may be the token the step still on the device samples.
+        lengths = np.fromiter(map(len, [r.all_token_ids for r in requests]), dtype=np.int64, count=num_seqs)
+        known = np.minimum(np.maximum(lengths - starts, 0), counts)
+        pending = np.flatnonzero(known < counts)  # rows whose last input is in flight
+        token_ids: list[int] = []
+        for row in np.flatnonzero(known).tolist():  # none in a decode step with a step in flight
+            start = int(starts[row])
+            token_ids += requests[row].all_token_ids[start:start + int(known[row])]
+        input_ids = np.zeros(num_tokens, dtype=np.int64)
+        pending_slots = query_start[1:][pending] - 1
+        sources = pending  # the rows of the step in flight that sampled them
+        in_order = True
+        if len(pending):
+            is_known = np.ones(num_tokens, dtype=bool)
+            is_known[pending_slots] = False
+            input_ids[is_known] = token_ids
+            pending_ids = [scheduler_output.request_ids[row] for row in pending.tolist()]
+            # The step in flight sampled those tokens in its own row order: usually this one's.
+            in_order = pending_ids == batch.previous.request_ids
+            if not in_order:
+                sources = np.asarray([batch.previous.row_of(request_id) for request_id in pending_ids], dtype=np.int64)
+        else:
+            input_ids[:] = token_ids
         seq_lens = starts + counts
         # positions: for each request, start .. start + count - 1, laid out flat.
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start[:-1] - starts, counts)
@@ -250,15 +268,19 @@ class ModelRunner:
             slot_mapping, block_tables = _aligned_planes(slot_mapping, block_tables)
         logits_indices = query_start[1:][np.asarray(scheduler_output.sampling_rows, dtype=np.int64)] - 1
         # One host->device copy for the whole step (pinned, asynchronous on CUDA).
-        parts = [np.asarray(token_ids, dtype=np.int64), positions, slot_mapping.ravel(), logits_indices,
-                 seq_lens, query_start, block_tables.ravel(), np.asarray(pending_rows + pending_sources, dtype=np.int64)]
+        parts = [input_ids, positions, slot_mapping.ravel(), logits_indices, seq_lens, query_start,
+                 block_tables.ravel(), pending_slots, sources]
         flat = to_device_async(torch.from_numpy(np.concatenate(parts)), self.device)
-        input_ids, positions_t, slots_t, logits_t, seq_lens_t, query_start_t, tables_t, pending = flat.split(
-            [len(part) for part in parts])
-        if pending_rows:
-            input_ids[pending[:len(pending_rows)]] = batch.previous.sampled[pending[len(pending_rows):]]
+        input_ids_t, positions_t, slots_t, logits_t, seq_lens_t, query_start_t, tables_t, slots_in_flight, sources_t = (
+            flat.split([len(part) for part in parts]))
+        if len(pending) == num_tokens and in_order:
+            # Every input is the step in flight's token, in its row order (async decode): its
+            # sampled ids are the input ids as they are (the model and its graphs only read them).
+            input_ids_t = batch.previous.sampled
+        elif len(pending):
+            input_ids_t[slots_in_flight] = batch.previous.sampled[sources_t]
         return ModelInputs(
-            input_ids=input_ids,
+            input_ids=input_ids_t,
             positions=positions_t,
             slot_mapping=slots_t.view(slot_mapping.shape)[:, :num_tokens],
             block_tables=tables_t.view(block_tables.shape).to(torch.int32)[:, :, :max_blocks],
