@@ -193,6 +193,22 @@ def request_finished(request: CachedRequestState, model: torch.nn.Module, contex
 
 
 @hookspec
+def worker_shutdown(model: torch.nn.Module, context: EngineContext) -> None:
+    """The engine is shutting down: stop what the plugin started where the model lives.
+
+    Called once in every worker (each tensor-parallel rank), after its last step, with the
+    loaded model: join the threads, stop the processes and free the buffers the plugin keeps in
+    ``context.state_for(...)``. The bundled ``structured`` plugin stops its matcher process here::
+
+        @hookimpl
+        def worker_shutdown(context):
+            pool = getattr(context.state_for(__name__), "pool", None)
+            if pool is not None:
+                pool.shutdown()
+    """
+
+
+@hookspec
 def request_completed(output: RequestOutput, context: EngineContext) -> None:
     """A request finished or was aborted: its final, complete :class:`hookllm.outputs.RequestOutput`.
 

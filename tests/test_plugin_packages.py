@@ -91,7 +91,7 @@ def test_plugins_json_lists_packages_with_version_hooks_and_architectures(capsys
                                   "error": None}
     assert rows["structured"] == {"name": "structured", "distribution": "hookllm", "version": "0.1.0",
                                   "hooks": ["claim_request_parameters", "preprocess_request", "request_finished",
-                                            "start_logits_job"],
+                                            "start_logits_job", "worker_shutdown"],
                                   "architectures": [], "error": None}
 
 

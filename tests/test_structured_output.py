@@ -8,6 +8,7 @@ get exactly the tokens they get alone.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 
@@ -242,7 +243,7 @@ def test_matchers_are_dropped_when_requests_finish(tiny):
     assert not backend.engine_state(tiny.engine.hooks.context).matchers
 
 
-def test_a_matcher_error_masks_its_row_to_eos_only_and_leaves_the_others(tiny_llama_dir, tiny):
+def test_a_matcher_error_masks_its_row_to_eos_only_and_leaves_the_others(tiny_llama_dir, tiny, caplog):
     # A sampler that ignored the mask: the request's output holds a token the grammar refuses.
     tokenizer = load_tokenizer(str(tiny_llama_dir))
     compiled = backend.compile_request("r", StructuredOutputsParams(regex="[0-9]+"), tokenizer,
@@ -255,12 +256,63 @@ def test_a_matcher_error_masks_its_row_to_eos_only_and_leaves_the_others(tiny_ll
     vocab = len(tokenizer)
     logits = torch.zeros(2, vocab)
     engine = backend.EngineState()
-    job = backend.MaskJob(Batch(states, [1, 1], states, [len(s.all_token_ids) for s in states], torch.Generator()),
-                          [0, 1], engine)
-    with torch.inference_mode():  # as the runner calls it
-        job.run()
-        job.apply(logits)
+    job = backend.MaskJob(batch_of(states), [0, 1], engine)
+    try:
+        with torch.inference_mode():  # as the runner calls it
+            job.run()
+            job.apply(logits)
+    finally:
+        engine.close()
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == sorted(compiled.eos_token_ids)
     digits = {i for i in range(vocab) if re.fullmatch(r"[0-9]+", tokenizer.decode([i]))}
     assert digits <= set(torch.isfinite(logits[1]).nonzero().flatten().tolist())
-    assert engine.matchers["broken"].error == """token "x" doesn't satisfy the grammar; byte 'x' fails parse"""
+    assert """request broken: structured output failed (token "x" doesn't satisfy the grammar; byte 'x' fails parse)""" \
+        in caplog.text
+
+
+def batch_of(states: list[CachedRequestState]) -> Batch:
+    """A decode batch of ``states``, every row sampling, no token in flight."""
+    return Batch(states, [1] * len(states), states, [len(s.all_token_ids) for s in states], torch.Generator())
+
+
+def digits_request(tiny_llama_dir, tiny, request_id: str, output: str) -> CachedRequestState:
+    tokenizer = load_tokenizer(str(tiny_llama_dir))
+    compiled = backend.compile_request(request_id, StructuredOutputsParams(regex="[0-9]+"), tokenizer,
+                                       tiny.engine.model_config)
+    prompt = tokenizer.encode("Hi")
+    return CachedRequestState(request_id, prompt + tokenizer.encode(output, add_special_tokens=False), len(prompt),
+                              SamplingParams(extra_args={COMPILED_KEY: compiled}))
+
+
+def test_matchers_live_in_a_process_of_their_own_which_shutdown_stops(make_llm):
+    llm = make_llm(plugins=["structured"], async_scheduling=True)
+    llm.generate(*mixed_batch(), use_tqdm=False)
+    process = backend.engine_state(llm.engine.hooks.context).process._process
+    assert process.pid != os.getpid() and process.poll() is None
+    llm.shutdown()
+    assert process.poll() == 0  # exited by itself once its connection closed
+
+
+def test_a_killed_matcher_process_is_replaced_and_rebuilds_the_matchers(tiny_llama_dir, tiny, caplog):
+    tokenizer = load_tokenizer(str(tiny_llama_dir))
+    engine = backend.EngineState()
+    state = digits_request(tiny_llama_dir, tiny, "r", "12")
+    logits = torch.zeros(1, len(tokenizer))
+    try:
+        with torch.inference_mode():
+            backend.MaskJob(batch_of([state]), [0], engine).run()
+            first = engine.process
+            first._process.kill()
+            first._process.wait()
+            state.all_token_ids += tokenizer.encode("x", add_special_tokens=False)  # refused by [0-9]+
+            job = backend.MaskJob(batch_of([state]), [0], engine)
+            job.run()
+            job.apply(logits)
+            second = engine.process
+    finally:
+        engine.close()
+    assert second is not first and "matcher process exited" in caplog.text and "starting a new one" in caplog.text
+    # The new matcher was fed the whole output, "12x": it failed on the "x", so EOS alone is allowed.
+    assert "request r: structured output failed" in caplog.text
+    eos = state.sampling_params.extra_args[COMPILED_KEY].eos_token_ids
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == sorted(eos)

@@ -378,9 +378,10 @@ class ModelRunner:
         return self._sampled_tokens(logits, batch, sampled)
 
     def shutdown(self) -> None:
-        """Stop the logits-job thread, if any, once its job is done."""
+        """Stop the logits-job thread, if any, once its job is done; then the plugins' own (``worker_shutdown``)."""
         if self.job_thread is not None:
             self.job_thread.shutdown()
+        self.hooks.hook.worker_shutdown(model=self.model, context=self.hooks.context)
 
     def _prompt_logprobs(self, batch: Batch, hidden_states: torch.Tensor, inputs: ModelInputs
                          ) -> dict[str, tuple[torch.Tensor, ...]]:

@@ -62,6 +62,7 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connec
                 sender.put(previous)
         if sender is not None:
             sender.close()
+        worker.shutdown()
     except BaseException:  # noqa: BLE001 - every failure goes to the driver, named by rank
         try:
             conn.send(("error", traceback.format_exc()))

@@ -5,7 +5,7 @@ A request asks with ``SamplingParams(structured_outputs=StructuredOutputsParams(
 ``extra_args={"structured_outputs": {...}}``; select the plugin with ``--plugin structured`` /
 ``LLM(plugins=["structured"])``. It claims the ``structured_outputs`` parameter
 (``claim_request_parameters``), so a request carrying it without the plugin active is refused
-naming it. Three ordinary hooks do the work:
+naming it. Four ordinary hooks do the work:
 
 - ``preprocess_request`` compiles and validates the constraint against the engine's tokenizer
   when the request is added (a bad schema or regex is a ``ValueError`` there) and replaces it,
@@ -13,11 +13,15 @@ naming it. Three ordinary hooks do the work:
   travel to the worker;
 - ``start_logits_job`` returns a job for the steps with constrained rows: its ``run`` (off the
   main thread while a step is in flight) advances one matcher per constrained request with the
-  tokens it has not consumed yet and fills their token bitmasks; its ``apply`` masks the
-  logits in one batched device operation;
-- ``request_finished`` drops the matcher.
+  tokens it has not consumed yet and fills their token bitmasks (in the matcher process); its
+  ``apply`` masks the logits in one batched device operation;
+- ``request_finished`` drops the matcher;
+- ``worker_shutdown`` stops the matcher process.
 
-Matchers and mask buffers are per engine, in the engine's context (``backend.engine_state``).
+The matchers live in a process of the plugin's own (``matcher_server.py``, started by the first
+constrained step of an engine worker), so that their Python runs beside the engine's rather than
+behind it on one GIL. What the engine side keeps (the constrained requests, the process, mask
+buffers) is per engine, in the engine's context (``backend.engine_state``).
 
 llguidance is imported inside the hooks (``hookllm.plugins.structured.backend``), so listing or
 loading the plugin never needs it.
@@ -78,3 +82,10 @@ def request_finished(request: Any, context: Any) -> None:
         from hookllm.plugins.structured import backend
 
         backend.drop(backend.engine_state(context), request)
+
+
+@hookimpl
+def worker_shutdown(context: Any) -> None:
+    namespace = context.state_for(__name__)
+    if hasattr(namespace, "backend"):  # made by the first constrained step, so llguidance is there
+        namespace.backend.close()

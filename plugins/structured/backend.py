@@ -1,32 +1,38 @@
-"""The llguidance side of the structured plugin: compiling constraints, matchers, token masks.
+"""The llguidance side of the structured plugin: compiling constraints, tracking the constrained
+requests, token masks.
 
-Imported only when a request uses structured output (the plugin's hooks import it lazily).
+Imported only when a request uses structured output (the plugin's hooks import it lazily). The
+matchers themselves live in the plugin's matcher process (``matcher_server.py``), one per engine
+worker, started with the first constrained step; this module keeps, per request, how many of its
+tokens the process has seen.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections import deque
+from copy import copy
 from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
 import torch
 
 from hookllm.worker.batch import Batch, CachedRequestState
 from hookllm.kernels import ops_for
 from hookllm.plugins import structured
 from hookllm.plugins.structured import COMPILED_KEY
+from hookllm.plugins.structured.matcher_process import MatcherProcess, MatcherProcessExited
 from hookllm.sampling_params import SamplingParams, StructuredOutputsParams
 from hookllm.utils import to_device_async
 
 logger = logging.getLogger(__name__)
 
-# Process-wide, as they hold no engine's state: building an LLTokenizer walks the whole
-# vocabulary (~0.5 s for 49k tokens), so once per tokenizer; llguidance's thread pool, once.
-_LL_TOKENIZERS: dict[str, llguidance.LLTokenizer] = {}
+# Process-wide, as they hold no engine's state: a tokenizer's serialized form and its LLTokenizer
+# (building one walks the whole vocabulary, ~0.5 s for 49k tokens), once per tokenizer.
+_TOKENIZER_JSON: dict[str, str] = {}
+_LL_TOKENIZERS: dict[tuple[str, tuple[int, ...]], llguidance.LLTokenizer] = {}
 
 
 @dataclass(frozen=True)
@@ -36,26 +42,34 @@ class CompiledGrammar:
     tokenizer_path: str
     eos_token_ids: tuple[int, ...]
     grammar: str  # llguidance's grammar text
+    vocab_size: int  # the LLTokenizer's: a mask row holds (vocab_size + 31) // 32 words
+
+    @property
+    def tokenizer_key(self) -> tuple[str, tuple[int, ...]]:
+        return self.tokenizer_path, self.eos_token_ids
 
 
 @dataclass
-class _Matcher:
+class _Tracked:
     state: CachedRequestState  # the runner's object: a different one (a re-added request) starts over
-    matcher: llguidance.LLMatcher
-    tokenizer: llguidance.LLTokenizer
-    consumed: int = 0  # output tokens the matcher has consumed
-    error: str | None = None
-
-
-_EXECUTOR: llguidance.LLExecutor | None = None
+    consumed: int = 0  # output tokens sent to the request's matcher
 
 
 @dataclass
 class EngineState:
     """The plugin's state in one engine, where the model runs."""
 
-    matchers: dict[str, _Matcher] = field(default_factory=dict)  # by request id; dropped in request_finished
+    matchers: dict[str, _Tracked] = field(default_factory=dict)  # by request id; dropped in request_finished
+    # Finished requests whose matchers go with the next step's message (appended on the main
+    # thread, taken by the job's: a deque's append and popleft are atomic).
+    drops: deque[str] = field(default_factory=deque)
+    process: MatcherProcess | None = None  # started with the first constrained step
     bitmasks: dict[int, torch.Tensor] = field(default_factory=dict)  # host buffers by mask width (32-bit words)
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.close()
+            self.process = None
 
 
 def engine_state(context: Any) -> EngineState:
@@ -79,17 +93,32 @@ def requested_spec(params: SamplingParams) -> StructuredOutputsParams | None:
         raise ValueError(f"structured_outputs: {exc}") from None
 
 
-def ll_tokenizer(path: str, eos_token_ids: tuple[int, ...], hf_tokenizer: Any = None) -> llguidance.LLTokenizer:
-    """The LLTokenizer of the tokenizer at ``path`` (built once per process; a worker in another
-    process loads the HF tokenizer from ``path``)."""
-    tokenizer = _LL_TOKENIZERS.get(path)
-    if tokenizer is None:
+def tokenizer_json(path: str, hf_tokenizer: Any = None) -> str:
+    """The serialized (``tokenizers`` JSON) form of the fast tokenizer at ``path``, which llguidance
+    reads; a worker in another process loads the HF tokenizer from ``path``."""
+    text = _TOKENIZER_JSON.get(path)
+    if text is None:
         if hf_tokenizer is None:
             from hookllm.tokenizer import load_tokenizer
 
             hf_tokenizer = load_tokenizer(path)
-        tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=list(eos_token_ids))
-        _LL_TOKENIZERS[path] = tokenizer
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(f"structured_outputs needs a fast (tokenizers) tokenizer; {path} has a slow one")
+        backend = copy(backend)  # added tokens included; no padding or truncation in the matcher's copy
+        backend.no_padding()
+        backend.no_truncation()
+        text = _TOKENIZER_JSON[path] = backend.to_str()
+    return text
+
+
+def ll_tokenizer(path: str, eos_token_ids: tuple[int, ...], hf_tokenizer: Any = None) -> llguidance.LLTokenizer:
+    """The LLTokenizer of the tokenizer at ``path`` with these EOS ids (built once per process)."""
+    key = path, eos_token_ids
+    tokenizer = _LL_TOKENIZERS.get(key)
+    if tokenizer is None:
+        tokenizer = _LL_TOKENIZERS[key] = llguidance.LLTokenizer(tokenizer_json(path, hf_tokenizer),
+                                                                 eos_token=list(eos_token_ids))
     return tokenizer
 
 
@@ -131,73 +160,13 @@ def compile_request(request_id: str, spec: StructuredOutputsParams, tokenizer: A
     eos = tuple(sorted(i for i in eos_token_ids(model_config, tokenizer) if i < len(tokenizer)))
     try:
         grammar = grammar_text(spec)
-        error = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer(path, eos, tokenizer))
+        ll = ll_tokenizer(path, eos, tokenizer)
+        error = llguidance.LLMatcher.validate_grammar(grammar, ll)
     except ValueError as exc:
         error = str(exc)
     if error:
         raise ValueError(f"request {request_id}: invalid structured_outputs.{spec.kind}: {error.strip()}")
-    return CompiledGrammar(path, eos, grammar)
-
-
-def _matcher_of(engine: EngineState, state: CachedRequestState) -> _Matcher:
-    entry = engine.matchers.get(state.request_id)
-    if entry is None or entry.state is not state:
-        compiled: CompiledGrammar = state.sampling_params.extra_args[COMPILED_KEY]
-        tokenizer = ll_tokenizer(compiled.tokenizer_path, compiled.eos_token_ids)
-        # Building a matcher takes ~0.5 ms (llguidance drops the GIL for it).
-        entry = _Matcher(state, llguidance.LLMatcher(tokenizer, compiled.grammar), tokenizer)
-        engine.matchers[state.request_id] = entry
-    return entry
-
-
-def _advance(entries: list[_Matcher], in_flight: dict[str, int]) -> None:
-    """Feed each matcher the output tokens it has not seen (the in-flight one included); record
-    the first error. Only the new tokens are read: a request's output may be long. The usual
-    step's one new token per matcher goes to llguidance's parallel consume, which runs without
-    the GIL (consuming one matcher at a time holds it); a longer tail (a re-added request) goes
-    alone."""
-    single: list[tuple[_Matcher, int]] = []
-    for entry in entries:
-        state = entry.state
-        new = state.all_token_ids[state.num_prompt_tokens + entry.consumed:]
-        if state.request_id in in_flight:
-            new.append(in_flight[state.request_id])
-        entry.consumed += len(new)
-        # A stopped matcher (the grammar is complete, EOS seen) takes nothing more: with ignore_eos
-        # the request goes on sampling EOS, which is not an error.
-        if not new or entry.error is not None or entry.matcher.is_stopped():
-            continue
-        if len(new) == 1:
-            single.append((entry, new[0]))
-        elif not entry.matcher.consume_tokens(new):
-            _fail(entry)
-    if single:
-        accepted = _executor().consume_token_par([(entry.matcher, token) for entry, token in single])
-        for (entry, _), ok in zip(single, accepted):
-            if not ok:
-                _fail(entry)
-
-
-def _fail(entry: _Matcher) -> None:
-    entry.error = _reason(entry.matcher.get_error())
-    logger.warning("request %s: structured output failed (%s); the request is ended with EOS",
-                   entry.state.request_id, entry.error)
-
-
-def _executor() -> llguidance.LLExecutor:
-    """llguidance's thread pool, made once per process."""
-    global _EXECUTOR
-    if _EXECUTOR is None:
-        _EXECUTOR = llguidance.LLExecutor()
-    return _EXECUTOR
-
-
-def _reason(error: str) -> str:
-    # llguidance's error text dumps the parser state; its "Error: Parser Error: ..." line says why.
-    for line in error.splitlines():
-        if line.startswith("Error:"):
-            return line.removeprefix("Error:").strip().removeprefix("Parser Error:").strip()
-    return error.strip().splitlines()[0] if error.strip() else "the matcher refused a token"
+    return CompiledGrammar(path, eos, grammar, ll.vocab_size)
 
 
 def _bitmask(engine: EngineState, rows: int, words: int) -> torch.Tensor:
@@ -206,16 +175,16 @@ def _bitmask(engine: EngineState, rows: int, words: int) -> torch.Tensor:
     step's job waited for those tokens (``in_flight_token_ids``) before filling it."""
     buffer = engine.bitmasks.get(words)
     if buffer is None or buffer.shape[0] < rows:
-        buffer = llguidance.torch.allocate_token_bitmask(max(rows, 2 * (0 if buffer is None else buffer.shape[0])),
-                                                         32 * words)
+        buffer = torch.empty(max(rows, 2 * (0 if buffer is None else buffer.shape[0])), words, dtype=torch.int32,
+                             pin_memory=torch.cuda.is_available())
         engine.bitmasks[words] = buffer
     return buffer[:rows]
 
 
 class MaskJob:
-    """One step's grammar masks (the plugin's ``LogitsJob``): ``run`` advances the constrained
-    rows' matchers and fills their bitmasks on the host, off the main thread when a step is in
-    flight; ``apply`` masks those rows of the logits."""
+    """One step's grammar masks (the plugin's ``LogitsJob``): ``run`` sends the constrained rows'
+    new tokens to the matcher process and takes back their masks, off the main thread when a
+    step is in flight; ``apply`` masks those rows of the logits."""
 
     def __init__(self, batch: Batch, rows: list[int], engine: EngineState):
         self.batch = batch
@@ -225,39 +194,51 @@ class MaskJob:
 
     def run(self) -> None:
         in_flight = self.batch.in_flight_token_ids()  # waits for the previous step alone
-        entries = [_matcher_of(self.engine, self.batch.sampling_requests[j]) for j in self.rows]
-        _advance(entries, in_flight)
-        self.bitmask = _fill(self.engine, entries)
+        engine = self.engine
+        try:
+            masks, failures = self._step(in_flight)
+        except MatcherProcessExited as exc:
+            # The matchers went with the process: a new one rebuilds them from every output token.
+            logger.warning("%s; starting a new one", exc)
+            engine.close()
+            engine.matchers.clear()
+            engine.drops.clear()
+            masks, failures = self._step(in_flight)
+        for request_id, reason in failures:
+            logger.warning("request %s: structured output failed (%s); the request is ended with EOS",
+                           request_id, reason)
+        self.bitmask = _bitmask(engine, masks.shape[0], masks.shape[1])
+        self.bitmask.copy_(masks)  # out of the shared buffer, which the next step refills
+
+    def _step(self, in_flight: dict[str, int]) -> tuple[torch.Tensor, list[tuple[str, str]]]:
+        """One message to the matcher process (started on first use): each constrained row's
+        request, its grammar when the process has no matcher for it, its new tokens."""
+        engine = self.engine
+        if engine.process is None:
+            engine.process = MatcherProcess()
+        messages = []
+        for j in self.rows:
+            state = self.batch.sampling_requests[j]
+            compiled: CompiledGrammar = state.sampling_params.extra_args[COMPILED_KEY]
+            entry = engine.matchers.get(state.request_id)
+            grammar = None
+            if entry is None or entry.state is not state:
+                entry = engine.matchers[state.request_id] = _Tracked(state)
+                engine.process.add_tokenizer(compiled.tokenizer_key, tokenizer_json(compiled.tokenizer_path),
+                                             compiled.eos_token_ids)
+                grammar = compiled.grammar
+            # Only the new tokens are read: a request's output may be long.
+            new = state.all_token_ids[state.num_prompt_tokens + entry.consumed:]
+            if state.request_id in in_flight:
+                new.append(in_flight[state.request_id])
+            entry.consumed += len(new)
+            messages.append((state.request_id, compiled.tokenizer_key, grammar, new))
+        words = (compiled.vocab_size + 31) // 32  # an engine's requests share one tokenizer
+        drops = [engine.drops.popleft() for _ in range(len(engine.drops))]
+        return engine.process.step(drops, messages, words)
 
     def apply(self, logits: torch.Tensor) -> None:
         apply_bitmask(logits, self.rows, self.bitmask)
-
-
-def _fill(engine: EngineState, entries: list[_Matcher]) -> torch.Tensor:
-    """The next-token bitmasks of ``entries``' matchers, one row each: EOS only for a stopped or
-    failed matcher, else what its grammar allows."""
-    tokenizer = entries[0].tokenizer  # an engine's requests share one
-    bitmask = _bitmask(engine, len(entries), (tokenizer.vocab_size + 31) // 32)
-    healthy, stopped = [], []
-    for k, entry in enumerate(entries):
-        if entry.error is not None or entry.matcher.is_stopped():
-            stopped.append(k)
-        else:
-            healthy.append((entry.matcher, k))
-    if stopped:  # EOS only: ends the request (unless ignore_eos); one copy for all those rows
-        eos_only = torch.zeros(bitmask.shape[1], dtype=torch.int32)
-        for eos in tokenizer.eos_tokens:
-            eos_only[eos // 32] |= _bit(eos % 32)
-        bitmask[stopped] = eos_only
-    if healthy:
-        # In Rust, on llguidance's thread pool, without the GIL.
-        llguidance.torch.fill_next_token_bitmask_par(_executor(), healthy, bitmask)
-    return bitmask
-
-
-def _bit(index: int) -> int:
-    # Bit 31 as a signed int32.
-    return (1 << index) - (1 << 32 if index == 31 else 0)
 
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
@@ -270,6 +251,8 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
 
 
 def drop(engine: EngineState, state: CachedRequestState) -> None:
+    """Forget a finished request; its matcher goes with the next step's message."""
     entry = engine.matchers.get(state.request_id)
     if entry is not None and entry.state is state:
         del engine.matchers[state.request_id]
+        engine.drops.append(state.request_id)

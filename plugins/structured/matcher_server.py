@@ -1,0 +1,134 @@
+"""The structured plugin's matcher process: llguidance matchers and their token masks, away from
+the engine's GIL.
+
+Run as a script by :mod:`hookllm.plugins.structured.matcher_process` (``python matcher_server.py
+FD``), it imports llguidance and numpy only, never hookllm or torch, so it starts in a fraction of
+a second. It serves one connection (``multiprocessing.connection.Connection`` on the inherited
+socket ``FD``) and exits when the other end closes it. Messages are tuples:
+
+- ``("tokenizer", key, tokenizer_json, eos_token_ids)``: build an ``LLTokenizer`` under ``key``.
+- ``("buffer", rows, words)``, followed by the buffer's file descriptor (``send_handle``): the
+  shared ``[rows, words]`` int32 mask buffer the next steps fill.
+- ``("step", drops, rows)``: forget the matchers of the request ids ``drops``; then for row ``k``
+  of ``rows``, ``(request_id, tokenizer_key, grammar, new_tokens)``, start the request's matcher
+  over when ``grammar`` is not None, feed it ``new_tokens`` and fill mask row ``k``: what the
+  grammar allows next, or EOS alone once the matcher stopped or failed. Reply
+  ``("ok", failures)``, ``failures`` being ``(request_id, reason)`` of the matchers that failed
+  in this step, or ``("error", traceback)`` if the step raised.
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+
+class _Entry:
+    __slots__ = ("matcher", "tokenizer", "failed")
+
+    def __init__(self, matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer):
+        self.matcher = matcher
+        self.tokenizer = tokenizer
+        self.failed = False
+
+
+def reason(error: str) -> str:
+    """The line of llguidance's error text that says why (it dumps the parser state too)."""
+    for line in error.splitlines():
+        if line.startswith("Error:"):
+            return line.removeprefix("Error:").strip().removeprefix("Parser Error:").strip()
+    return error.strip().splitlines()[0] if error.strip() else "the matcher refused a token"
+
+
+class MatcherServer:
+    def __init__(self) -> None:
+        self.tokenizers: dict[tuple, llguidance.LLTokenizer] = {}
+        self.entries: dict[str, _Entry] = {}
+        self.executor = llguidance.LLExecutor()
+        self.masks: np.ndarray | None = None
+        self._mapping: mmap.mmap | None = None
+
+    def add_tokenizer(self, key: tuple, tokenizer_json: str, eos_token_ids: list[int]) -> None:
+        self.tokenizers[key] = llguidance.LLTokenizer(tokenizer_json, eos_token=eos_token_ids)
+
+    def map_buffer(self, fd: int, rows: int, words: int) -> None:
+        self._mapping = mmap.mmap(fd, rows * words * 4)
+        self.masks = np.frombuffer(self._mapping, dtype=np.int32).reshape(rows, words)
+
+    def step(self, drops: list[str], rows: list[tuple[str, tuple, str | None, list[int]]]) -> list[tuple[str, str]]:
+        for request_id in drops:
+            self.entries.pop(request_id, None)
+        entries = []
+        for request_id, tokenizer_key, grammar, _ in rows:
+            if grammar is not None:
+                tokenizer = self.tokenizers[tokenizer_key]
+                self.entries[request_id] = _Entry(llguidance.LLMatcher(tokenizer, grammar), tokenizer)
+            entries.append(self.entries[request_id])
+        failures = self._advance(entries, [row[0] for row in rows], [row[3] for row in rows])
+        self._fill(entries)
+        return failures
+
+    def _advance(self, entries: list[_Entry], request_ids: list[str], new: list[list[int]]) -> list[tuple[str, str]]:
+        """Feed each matcher its new tokens. A stopped matcher (the grammar complete, EOS seen)
+        takes nothing more: with ignore_eos a request goes on sampling EOS, which is no error.
+        The usual step's one token per matcher goes to llguidance's parallel consume."""
+        failed: list[int] = []
+        single: list[int] = []
+        for k, (entry, tokens) in enumerate(zip(entries, new)):
+            if not tokens or entry.failed or entry.matcher.is_stopped():
+                continue
+            if len(tokens) == 1:
+                single.append(k)
+            elif not entry.matcher.consume_tokens(tokens):
+                failed.append(k)
+        if single:
+            accepted = self.executor.consume_token_par([(entries[k].matcher, new[k][0]) for k in single])
+            failed += [k for k, ok in zip(single, accepted) if not ok]
+        for k in failed:
+            entries[k].failed = True
+        return [(request_ids[k], reason(entries[k].matcher.get_error())) for k in failed]
+
+    def _fill(self, entries: list[_Entry]) -> None:
+        healthy = []
+        for k, entry in enumerate(entries):
+            if entry.failed or entry.matcher.is_stopped():
+                self.masks[k] = 0  # EOS only: ends the request (unless ignore_eos)
+                for eos in entry.tokenizer.eos_tokens:
+                    self.masks.view(np.uint32)[k, eos // 32] |= np.uint32(1 << (eos % 32))
+            else:
+                healthy.append((entry.matcher, k))
+        if healthy:  # in Rust, on llguidance's threads
+            llguidance.numpy.fill_next_token_bitmask_par(self.executor, healthy, self.masks)
+
+
+def serve(connection: Connection) -> None:
+    server = MatcherServer()
+    while True:
+        try:
+            message = connection.recv()
+        except EOFError:
+            return
+        kind = message[0]
+        try:
+            if kind == "tokenizer":
+                server.add_tokenizer(*message[1:])
+            elif kind == "buffer":
+                server.map_buffer(recv_handle(connection), *message[1:])
+            else:
+                connection.send(("ok", server.step(*message[1:])))
+        except Exception:  # noqa: BLE001 - sent to the engine, which fails the step naming it
+            if kind == "step":
+                connection.send(("error", traceback.format_exc()))
+            else:
+                raise
+
+
+if __name__ == "__main__":
+    serve(Connection(int(sys.argv[1])))
