@@ -25,7 +25,6 @@ from hookllm.plugins import structured
 from hookllm.plugins.structured import COMPILED_KEY
 from hookllm.plugins.structured.matcher_process import MatcherProcess, MatcherProcessExited
 from hookllm.sampling_params import SamplingParams, StructuredOutputsParams
-from hookllm.utils import to_device_async
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +190,7 @@ class MaskJob:
         self.rows = rows  # the constrained logits rows
         self.engine = engine
         self.bitmask: torch.Tensor | None = None
+        self.row_index: torch.Tensor | None = None  # ``rows`` as a host tensor, pinned on CUDA hosts
 
     def run(self) -> None:
         in_flight = self.batch.in_flight_token_ids()  # waits for the previous step alone
@@ -209,6 +209,7 @@ class MaskJob:
                            request_id, reason)
         self.bitmask = _bitmask(engine, masks.shape[0], masks.shape[1])
         self.bitmask.copy_(masks)  # out of the shared buffer, which the next step refills
+        self.row_index = torch.tensor(self.rows, pin_memory=self.bitmask.is_pinned())
 
     def _step(self, in_flight: dict[str, int]) -> tuple[torch.Tensor, list[tuple[str, str]]]:
         """One message to the matcher process (started on first use): each constrained row's
@@ -238,16 +239,17 @@ class MaskJob:
         return engine.process.step(drops, messages, words)
 
     def apply(self, logits: torch.Tensor) -> None:
-        apply_bitmask(logits, self.rows, self.bitmask)
+        apply_bitmask(logits, self.row_index, self.bitmask)
 
 
-def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set to -inf every token of ``logits[rows[k]]`` whose bit is 0 in ``bitmask[k]``; tokens past
-    the mask's width (ids the tokenizer lacks) are masked too. One kernel on CUDA."""
+    the mask's width (ids the tokenizer lacks) are masked too. One kernel on CUDA. ``rows`` and
+    ``bitmask`` are host tensors, pinned on CUDA hosts (made in ``run``, off the main thread), so
+    neither copy waits for the device."""
     device = logits.device
-    # The bitmask buffer is pinned already (see _bitmask): neither copy waits for the device.
     ops_for(logits).apply_token_bitmask(logits, bitmask.to(device, non_blocking=True),
-                                        to_device_async(torch.tensor(rows), device))
+                                        rows.to(device, non_blocking=True))
 
 
 def drop(engine: EngineState, state: CachedRequestState) -> None:

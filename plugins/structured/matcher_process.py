@@ -43,6 +43,7 @@ class MatcherProcess:
         self._tokenizers: set[tuple] = set()
         self._mapping: mmap.mmap | None = None
         self.masks: torch.Tensor | None = None  # [rows, words] int32, shared with the process
+        self.last_step_seconds = 0.0  # the last step's time in the process, without the messages
 
     def add_tokenizer(self, key: tuple, tokenizer_json: str, eos_token_ids: tuple[int, ...]) -> None:
         """Make the tokenizer ``key`` known to the process (once per key)."""
@@ -59,12 +60,13 @@ class MatcherProcess:
         self._ensure_buffer(len(rows), words)
         self._send(("step", drops, rows))
         try:
-            status, detail = self._connection.recv()
+            reply = self._connection.recv()
         except (EOFError, OSError):
             raise MatcherProcessExited(self._exited()) from None
-        if status == "error":
-            raise MatcherProcessError(f"the structured-output matcher process failed a step:\n{detail}")
-        return self.masks[:len(rows)], detail
+        if reply[0] == "error":
+            raise MatcherProcessError(f"the structured-output matcher process failed a step:\n{reply[1]}")
+        _, failures, self.last_step_seconds = reply
+        return self.masks[:len(rows)], failures
 
     def close(self) -> None:
         """Stop the process (it exits when its connection closes) and release the buffer."""
