@@ -10,11 +10,9 @@ constrained rows. The schema, an array of strings without ``maxItems``, lets a c
 run to its ``max_tokens`` (with ``ignore_eos``: once the array closes only EOS is allowed), so
 both runs produce the same token counts; the counts reported are the outputs' actual ones.
 Reported: output tok/s of both runs (with ``--repeat N``, N interleaved pairs, the median call
-of each) and their ratio (goal >= 0.9); per constrained step, the
-host time filling masks (the plugin's job: advancing matchers, filling bitmasks, apart from its
-wait for the previous step's tokens), which runs off the main thread in a deferred step, and how
-long the main thread then waited for that job before sampling (zero when the fill is overlapped
-completely). CPU smoke test:
+of each) and their ratio (goal >= 0.9); per constrained step, the host times of the plugin's
+job (see ``MaskTimer``): sending the step to the matcher process, the main thread's waits for
+the job and for the reply, the round trip and the process's own work. CPU smoke test:
 
     python benchmarks/structured.py --tiny --num-requests 8 --max-prompt 32 --max-output 24 --out /tmp/x
 """
@@ -77,10 +75,17 @@ def checkpoint_with_tokenizer(args) -> Path:
 
 
 class MaskTimer:
-    """Per constrained step: the host time filling masks (``MaskJob.run`` less its wait for the
-    previous step's tokens); for a deferred step, how long the main thread waited for that job
-    when it finished the step (from ``StepOutput.finish`` to ``MaskJob.apply``); and the host
-    time launching the masking (``MaskJob.apply``, which must not wait for the device)."""
+    """Per constrained step, the host times of the structured plugin's job:
+
+    - ``send``: ``MaskJob.run`` less its wait for the previous step's tokens (building and
+      sending the matcher process's message; in the job thread for a deferred step);
+    - ``main_wait``: for a deferred step, how long the main thread waited for that ``run`` when
+      it finished the step (from ``StepOutput.finish`` to ``MaskJob.apply``);
+    - ``apply``: ``MaskJob.apply`` on the main thread: reading the process's reply (waiting for it
+      if it is not there yet), copying the masks out, launching the masking;
+    - ``round_trip``: from sending the message to having read the reply, and within it
+      ``process``, the matcher process's own work (advancing the matchers, filling the masks).
+    """
 
     def __init__(self):
         from hookllm.worker.batch import Batch
@@ -90,15 +95,16 @@ class MaskTimer:
         self.reset()
         run, apply, in_flight, finish = backend.MaskJob.run, backend.MaskJob.apply, Batch.in_flight_token_ids, \
             StepOutput.finish
+        send, receive = backend.MatcherProcess.send_step, backend.MatcherProcess.receive_step
         job_thread = threading.local()  # the token wait of the job running in this thread
         finishing: list[float] = []  # when the main thread started finishing a deferred step
+        sent: list[float] = []  # when the step in flight was sent
 
         def timed_run(job):
             job_thread.token_wait = 0.0
             start = time.perf_counter()
             run(job)
-            self.fills.append(time.perf_counter() - start - job_thread.token_wait)
-            self.token_waits.append(job_thread.token_wait)
+            self.sends.append(time.perf_counter() - start - job_thread.token_wait)
             self.rows.append(len(job.rows))
 
         def timed_in_flight(batch):
@@ -123,41 +129,39 @@ class MaskTimer:
             apply(job, logits)
             self.applies.append(time.perf_counter() - start)
 
-        def timed_round_trip(process, *args):
-            start = time.perf_counter()
-            result = step(process, *args)
-            self.round_trips.append(time.perf_counter() - start)
+        def timed_send(process, *args):
+            send(process, *args)
+            sent[:] = [time.perf_counter()]
+
+        def timed_receive(process):
+            result = receive(process)
+            self.round_trips.append(time.perf_counter() - sent[0])
             self.process_steps.append(process.last_step_seconds)
             return result
 
-        step = backend.MatcherProcess.step
         backend.MaskJob.run, backend.MaskJob.apply = timed_run, timed_apply
-        backend.MatcherProcess.step = timed_round_trip
+        backend.MatcherProcess.send_step, backend.MatcherProcess.receive_step = timed_send, timed_receive
         Batch.in_flight_token_ids, StepOutput.finish = timed_in_flight, timed_finish
 
     def reset(self) -> None:
-        self.fills: list[float] = []
-        self.token_waits: list[float] = []
+        self.sends: list[float] = []
         self.main_waits: list[float] = []
         self.applies: list[float] = []
-        # Inside the fill: the matcher process's step (advancing the matchers, filling the
-        # masks) with its two messages; the rest of the fill is the engine side's Python.
         self.round_trips: list[float] = []
-        self.process_steps: list[float] = []  # inside the round trip: the process's own work
+        self.process_steps: list[float] = []
         self.rows: list[int] = []
 
     def summary(self) -> dict:
-        fills, waits = self.fills or [0.0], self.main_waits or [0.0]
-        return {"steps": len(self.fills), "deferred_steps": len(self.main_waits),
-                "fill_ms_per_step_mean": 1e3 * statistics.fmean(fills),
-                "fill_ms_per_step_p50": 1e3 * statistics.median(fills), "fill_ms_per_step_max": 1e3 * max(fills),
-                "process_round_trip_ms_per_step_mean": 1e3 * statistics.fmean(self.round_trips or [0.0]),
-                "process_step_ms_per_step_mean": 1e3 * statistics.fmean(self.process_steps or [0.0]),
-                "job_token_wait_ms_per_step_mean": 1e3 * statistics.fmean(self.token_waits or [0.0]),
-                "main_wait_ms_per_deferred_step_mean": 1e3 * statistics.fmean(waits),
-                "main_wait_ms_per_deferred_step_p50": 1e3 * statistics.median(waits),
-                "main_wait_ms_per_deferred_step_max": 1e3 * max(waits),
-                "apply_ms_per_step_mean": 1e3 * statistics.fmean(self.applies or [0.0]),
+        def ms(values: list[float]) -> float:
+            return 1e3 * statistics.fmean(values or [0.0])
+
+        return {"steps": len(self.sends), "deferred_steps": len(self.main_waits),
+                "send_ms_per_step_mean": ms(self.sends),
+                "main_wait_ms_per_deferred_step_mean": ms(self.main_waits),
+                "main_wait_ms_per_deferred_step_max": 1e3 * max(self.main_waits or [0.0]),
+                "apply_ms_per_step_mean": ms(self.applies),
+                "round_trip_ms_per_step_mean": ms(self.round_trips),
+                "process_ms_per_step_mean": ms(self.process_steps),
                 "constrained_rows_per_step_mean": statistics.fmean(self.rows or [0])}
 
 
@@ -236,16 +240,16 @@ def main() -> None:
     out = write_result(f"structured-{payload['model']}", payload, args.out)
     c = results["constrained"]
     print(f"\nwrote {out}")
-    print(f"{'run':<16}{'output tok/s':>14}{'wall s':>9}{'fill ms/step':>14}{'wait ms/step':>14}"
-          f"{'deferred':>10}{'rows/step':>11}")
+    print(f"{'run':<16}{'output tok/s':>14}{'wall s':>9}{'send':>8}{'wait':>8}{'apply':>8}{'round trip':>12}"
+          f"{'process':>9}{'deferred':>11}{'rows/step':>11}")
     print(f"{'unconstrained':<16}{results['unconstrained']['output_tok_s']:>14.0f}"
-          f"{results['unconstrained']['wall_s']:>9.1f}{'-':>14}{'-':>14}{'-':>10}{'-':>11}")
-    print(f"{'constrained':<16}{c['output_tok_s']:>14.0f}{c['wall_s']:>9.1f}{c['fill_ms_per_step_mean']:>14.3f}"
-          f"{c['main_wait_ms_per_deferred_step_mean']:>14.3f}{c['deferred_steps']:>5}/{c['steps']:<4}"
-          f"{c['constrained_rows_per_step_mean']:>11.1f}")
-    print(f"fill = matcher process round trip {c['process_round_trip_ms_per_step_mean']:.3f} ms/step (the"
-          f" process's work {c['process_step_ms_per_step_mean']:.3f}, the rest messages) + the engine side's"
-          f" Python; apply {c['apply_ms_per_step_mean']:.3f} ms/step")
+          f"{results['unconstrained']['wall_s']:>9.1f}")
+    print(f"{'constrained':<16}{c['output_tok_s']:>14.0f}{c['wall_s']:>9.1f}{c['send_ms_per_step_mean']:>8.3f}"
+          f"{c['main_wait_ms_per_deferred_step_mean']:>8.3f}{c['apply_ms_per_step_mean']:>8.3f}"
+          f"{c['round_trip_ms_per_step_mean']:>12.3f}{c['process_ms_per_step_mean']:>9.3f}"
+          f"{c['deferred_steps']:>6}/{c['steps']:<4}{c['constrained_rows_per_step_mean']:>11.1f}")
+    print("(ms per constrained step: send = the job's run, in its thread; wait = the main thread waiting for it;"
+          " apply = the main thread reading the reply and masking; process = the matcher process's work)")
     print(f"throughput ratio constrained / unconstrained: {ratio:.3f} (goal >= 0.90)")
 
 

@@ -316,3 +316,23 @@ def test_a_killed_matcher_process_is_replaced_and_rebuilds_the_matchers(tiny_lla
     assert "request r: structured output failed" in caplog.text
     eos = state.sampling_params.extra_args[COMPILED_KEY].eos_token_ids
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == sorted(eos)
+
+
+def test_a_step_whose_masks_were_never_applied_does_not_answer_for_the_next(tiny_llama_dir, tiny):
+    # A job whose step failed (a later hook raised) is never applied: its reply must not be read
+    # as the next step's.
+    tokenizer = load_tokenizer(str(tiny_llama_dir))
+    engine = backend.EngineState()
+    state = digits_request(tiny_llama_dir, tiny, "r", "12")
+    logits = torch.zeros(1, len(tokenizer))
+    try:
+        with torch.inference_mode():
+            backend.MaskJob(batch_of([state]), [0], engine).run()  # digits allowed next
+            state.all_token_ids += tokenizer.encode("x", add_special_tokens=False)
+            job = backend.MaskJob(batch_of([state]), [0], engine)
+            job.run()
+            job.apply(logits)
+    finally:
+        engine.close()
+    eos = state.sampling_params.extra_args[COMPILED_KEY].eos_token_ids
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == sorted(eos)

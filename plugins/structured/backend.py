@@ -182,36 +182,51 @@ def _bitmask(engine: EngineState, rows: int, words: int) -> torch.Tensor:
 
 class MaskJob:
     """One step's grammar masks (the plugin's ``LogitsJob``): ``run`` sends the constrained rows'
-    new tokens to the matcher process and takes back their masks, off the main thread when a
-    step is in flight; ``apply`` masks those rows of the logits."""
+    new tokens to the matcher process, off the main thread when a step is in flight; ``apply``
+    takes back their masks and masks those rows of the logits."""
 
     def __init__(self, batch: Batch, rows: list[int], engine: EngineState):
         self.batch = batch
         self.rows = rows  # the constrained logits rows
         self.engine = engine
         self.bitmask: torch.Tensor | None = None
+        self.in_flight: dict[str, int] = {}
         self.row_index: torch.Tensor | None = None  # ``rows`` as a host tensor, pinned on CUDA hosts
 
     def run(self) -> None:
-        in_flight = self.batch.in_flight_token_ids()  # waits for the previous step alone
+        """Send the step to the matcher process as soon as the previous step's tokens are known.
+        The reply is read in ``apply``: a thread waiting for it here would then wait again for
+        the GIL, which the main thread holds while it schedules."""
+        self.in_flight = self.batch.in_flight_token_ids()  # waits for the previous step alone
+        self.row_index = torch.tensor(self.rows, pin_memory=torch.cuda.is_available())
+        try:
+            self._send()
+        except MatcherProcessExited as exc:
+            self._restart(exc)
+
+    def apply(self, logits: torch.Tensor) -> None:
         engine = self.engine
         try:
-            masks, failures = self._step(in_flight)
+            masks, failures = engine.process.receive_step()
         except MatcherProcessExited as exc:
-            # The matchers went with the process: a new one rebuilds them from every output token.
-            logger.warning("%s; starting a new one", exc)
-            engine.close()
-            engine.matchers.clear()
-            engine.drops.clear()
-            masks, failures = self._step(in_flight)
+            self._restart(exc)
+            masks, failures = engine.process.receive_step()
         for request_id, reason in failures:
             logger.warning("request %s: structured output failed (%s); the request is ended with EOS",
                            request_id, reason)
         self.bitmask = _bitmask(engine, masks.shape[0], masks.shape[1])
         self.bitmask.copy_(masks)  # out of the shared buffer, which the next step refills
-        self.row_index = torch.tensor(self.rows, pin_memory=self.bitmask.is_pinned())
+        apply_bitmask(logits, self.row_index, self.bitmask)
 
-    def _step(self, in_flight: dict[str, int]) -> tuple[torch.Tensor, list[tuple[str, str]]]:
+    def _restart(self, exc: MatcherProcessExited) -> None:
+        # The matchers went with the process: a new one rebuilds them from every output token.
+        logger.warning("%s; starting a new one", exc)
+        self.engine.close()
+        self.engine.matchers.clear()
+        self.engine.drops.clear()
+        self._send()
+
+    def _send(self) -> None:
         """One message to the matcher process (started on first use): each constrained row's
         request, its grammar when the process has no matcher for it, its new tokens."""
         engine = self.engine
@@ -230,23 +245,19 @@ class MaskJob:
                 grammar = compiled.grammar
             # Only the new tokens are read: a request's output may be long.
             new = state.all_token_ids[state.num_prompt_tokens + entry.consumed:]
-            if state.request_id in in_flight:
-                new.append(in_flight[state.request_id])
+            if state.request_id in self.in_flight:
+                new.append(self.in_flight[state.request_id])
             entry.consumed += len(new)
             messages.append((state.request_id, compiled.tokenizer_key, grammar, new))
         words = (compiled.vocab_size + 31) // 32  # an engine's requests share one tokenizer
         drops = [engine.drops.popleft() for _ in range(len(engine.drops))]
-        return engine.process.step(drops, messages, words)
-
-    def apply(self, logits: torch.Tensor) -> None:
-        apply_bitmask(logits, self.row_index, self.bitmask)
+        engine.process.send_step(drops, messages, words)
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set to -inf every token of ``logits[rows[k]]`` whose bit is 0 in ``bitmask[k]``; tokens past
     the mask's width (ids the tokenizer lacks) are masked too. One kernel on CUDA. ``rows`` and
-    ``bitmask`` are host tensors, pinned on CUDA hosts (made in ``run``, off the main thread), so
-    neither copy waits for the device."""
+    ``bitmask`` are host tensors, pinned on CUDA hosts, so neither copy waits for the device."""
     device = logits.device
     ops_for(logits).apply_token_bitmask(logits, bitmask.to(device, non_blocking=True),
                                         rows.to(device, non_blocking=True))

@@ -3,8 +3,9 @@
 Advancing llguidance matchers and filling their masks is Rust that drops the GIL, but the Python
 around it (one call per matcher, per step) queued behind the engine thread's scheduling and
 output processing, and the main thread then waited for the masks. In a process of its own that
-Python runs beside the engine's: a step costs the engine one message of new token ids and one
-reply, and the masks arrive in a shared buffer.
+Python runs beside the engine's: a step costs the engine one message of new token ids, sent as
+soon as the previous step's tokens are known, and one reply, read when the masks are needed; the
+masks arrive in a shared buffer.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class MatcherProcess:
         self._mapping: mmap.mmap | None = None
         self.masks: torch.Tensor | None = None  # [rows, words] int32, shared with the process
         self.last_step_seconds = 0.0  # the last step's time in the process, without the messages
+        self._rows_in_flight: int | None = None  # the sent step's row count, until its result is taken
 
     def add_tokenizer(self, key: tuple, tokenizer_json: str, eos_token_ids: tuple[int, ...]) -> None:
         """Make the tokenizer ``key`` known to the process (once per key)."""
@@ -51,14 +53,21 @@ class MatcherProcess:
             self._send(("tokenizer", key, tokenizer_json, list(eos_token_ids)))
             self._tokenizers.add(key)
 
-    def step(self, drops: list[str], rows: list[tuple[str, tuple, str | None, list[int]]], words: int
-             ) -> tuple[torch.Tensor, list[tuple[str, str]]]:
-        """Drop the matchers of ``drops``; advance and mask ``rows`` (``(request_id, tokenizer_key,
-        grammar or None, new_tokens)``, see ``matcher_server.py``). Returns the ``[len(rows),
-        words]`` masks (a view of the shared buffer, valid until the next step) and the failures
-        of this step, ``(request_id, reason)``."""
+    def send_step(self, drops: list[str], rows: list[tuple[str, tuple, str | None, list[int]]], words: int) -> None:
+        """Start a step: drop the matchers of ``drops``; advance and mask ``rows``
+        (``(request_id, tokenizer_key, grammar or None, new_tokens)``, see ``matcher_server.py``).
+        ``receive_step`` takes its result; a step whose result was never taken (its job failed)
+        is taken and dropped first."""
+        if self._rows_in_flight is not None:
+            self.receive_step()
         self._ensure_buffer(len(rows), words)
         self._send(("step", drops, rows))
+        self._rows_in_flight = len(rows)
+
+    def receive_step(self) -> tuple[torch.Tensor, list[tuple[str, str]]]:
+        """The sent step's ``[len(rows), words]`` masks (a view of the shared buffer, valid until the
+        next step) and failures, ``(request_id, reason)``; waits for the process if need be."""
+        rows, self._rows_in_flight = self._rows_in_flight, None
         try:
             reply = self._connection.recv()
         except (EOFError, OSError):
@@ -66,7 +75,7 @@ class MatcherProcess:
         if reply[0] == "error":
             raise MatcherProcessError(f"the structured-output matcher process failed a step:\n{reply[1]}")
         _, failures, self.last_step_seconds = reply
-        return self.masks[:len(rows)], failures
+        return self.masks[:rows], failures
 
     def close(self) -> None:
         """Stop the process (it exits when its connection closes) and release the buffer."""

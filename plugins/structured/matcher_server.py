@@ -108,12 +108,15 @@ class MatcherServer:
 
 
 def serve(connection: Connection) -> None:
-    server = MatcherServer()
+    try:
+        _serve(MatcherServer(), connection)
+    except (EOFError, OSError):  # the engine closed its end (a reply left unread resets it)
+        return
+
+
+def _serve(server: MatcherServer, connection: Connection) -> None:
     while True:
-        try:
-            message = connection.recv()
-        except EOFError:
-            return
+        message = connection.recv()
         kind = message[0]
         try:
             if kind == "tokenizer":
