@@ -166,6 +166,7 @@ class MaskTimer:
 
 
 def run(llm, prompts, params, name: str) -> dict:
+    llm.reset_prefix_cache()  # every call computes its prompts, as the first does: no call finds them cached
     synchronize()
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
