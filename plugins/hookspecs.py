@@ -198,7 +198,8 @@ def worker_shutdown(model: torch.nn.Module, context: EngineContext) -> None:
 
     Called once in every worker (each tensor-parallel rank), after its last step, with the
     loaded model: join the threads, stop the processes and free the buffers the plugin keeps in
-    ``context.state_for(...)``. The bundled ``structured`` plugin stops its matcher process here::
+    ``context.state_for(...)`` (the bundled ``structured`` plugin stops its matcher process here).
+    For a thread pool a plugin started::
 
         @hookimpl
         def worker_shutdown(context):

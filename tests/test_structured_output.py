@@ -293,34 +293,10 @@ def test_matchers_live_in_a_process_of_their_own_which_shutdown_stops(make_llm):
     assert process.poll() == 0  # exited by itself once its connection closed
 
 
-def test_a_killed_matcher_process_is_replaced_and_rebuilds_the_matchers(tiny_llama_dir, tiny, caplog):
-    tokenizer = load_tokenizer(str(tiny_llama_dir))
-    engine = backend.EngineState()
-    state = digits_request(tiny_llama_dir, tiny, "r", "12")
-    logits = torch.zeros(1, len(tokenizer))
-    try:
-        with torch.inference_mode():
-            backend.MaskJob(batch_of([state]), [0], engine).run()
-            first = engine.process
-            first._process.kill()
-            first._process.wait()
-            state.all_token_ids += tokenizer.encode("x", add_special_tokens=False)  # refused by [0-9]+
-            job = backend.MaskJob(batch_of([state]), [0], engine)
-            job.run()
-            job.apply(logits)
-            second = engine.process
-    finally:
-        engine.close()
-    assert second is not first and "matcher process exited" in caplog.text and "starting a new one" in caplog.text
-    # The new matcher was fed the whole output, "12x": it failed on the "x", so EOS alone is allowed.
-    assert "request r: structured output failed" in caplog.text
-    eos = state.sampling_params.extra_args[COMPILED_KEY].eos_token_ids
-    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == sorted(eos)
-
-
-def test_a_step_whose_masks_were_never_applied_does_not_answer_for_the_next(tiny_llama_dir, tiny):
-    # A job whose step failed (a later hook raised) is never applied: its reply must not be read
-    # as the next step's.
+def masks_after_a_refused_token(tiny_llama_dir, tiny, between=lambda engine: None):
+    """Send the step of a digits-only request whose output is "12" (its masks never applied), call
+    ``between(engine)``, then run and apply the step after a refused "x". Returns the tokens the
+    second mask allows, the request's EOS ids and the matcher process of the second step."""
     tokenizer = load_tokenizer(str(tiny_llama_dir))
     engine = backend.EngineState()
     state = digits_request(tiny_llama_dir, tiny, "r", "12")
@@ -328,11 +304,35 @@ def test_a_step_whose_masks_were_never_applied_does_not_answer_for_the_next(tiny
     try:
         with torch.inference_mode():
             backend.MaskJob(batch_of([state]), [0], engine).run()  # digits allowed next
-            state.all_token_ids += tokenizer.encode("x", add_special_tokens=False)
+            between(engine)
+            state.all_token_ids += tokenizer.encode("x", add_special_tokens=False)  # refused by [0-9]+
             job = backend.MaskJob(batch_of([state]), [0], engine)
             job.run()
             job.apply(logits)
+            process = engine.process
     finally:
         engine.close()
-    eos = state.sampling_params.extra_args[COMPILED_KEY].eos_token_ids
-    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == sorted(eos)
+    eos = sorted(state.sampling_params.extra_args[COMPILED_KEY].eos_token_ids)
+    return torch.isfinite(logits[0]).nonzero().flatten().tolist(), eos, process
+
+
+def test_a_killed_matcher_process_is_replaced_and_rebuilds_the_matchers(tiny_llama_dir, tiny, caplog):
+    killed = []
+
+    def kill(engine):
+        killed.append(engine.process)
+        engine.process._process.kill()
+        engine.process._process.wait()
+
+    allowed, eos, process = masks_after_a_refused_token(tiny_llama_dir, tiny, between=kill)
+    assert process is not killed[0] and "matcher process exited" in caplog.text and "starting a new one" in caplog.text
+    # The new matcher was fed the whole output, "12x": it failed on the "x", so EOS alone is allowed.
+    assert "request r: structured output failed" in caplog.text
+    assert allowed == eos
+
+
+def test_a_step_whose_masks_were_never_applied_does_not_answer_for_the_next(tiny_llama_dir, tiny):
+    # A job whose step failed (a later hook raised) is never applied: its reply must not be read
+    # as the next step's (which would allow digits).
+    allowed, eos, _ = masks_after_a_refused_token(tiny_llama_dir, tiny)
+    assert allowed == eos

@@ -189,7 +189,6 @@ class MaskJob:
         self.batch = batch
         self.rows = rows  # the constrained logits rows
         self.engine = engine
-        self.bitmask: torch.Tensor | None = None
         self.in_flight: dict[str, int] = {}
         self.row_index: torch.Tensor | None = None  # ``rows`` as a host tensor, pinned on CUDA hosts
 
@@ -214,9 +213,9 @@ class MaskJob:
         for request_id, reason in failures:
             logger.warning("request %s: structured output failed (%s); the request is ended with EOS",
                            request_id, reason)
-        self.bitmask = _bitmask(engine, masks.shape[0], masks.shape[1])
-        self.bitmask.copy_(masks)  # out of the shared buffer, which the next step refills
-        apply_bitmask(logits, self.row_index, self.bitmask)
+        bitmask = _bitmask(engine, masks.shape[0], masks.shape[1])
+        bitmask.copy_(masks)  # out of the shared buffer, which the next step refills
+        apply_bitmask(logits, self.row_index, bitmask)
 
     def _restart(self, exc: MatcherProcessExited) -> None:
         # The matchers went with the process: a new one rebuilds them from every output token.

@@ -33,7 +33,7 @@ class MatcherProcessExited(MatcherProcessError):
 
 
 class MatcherProcess:
-    """One matcher process, started on first use: ``step`` sends a step's rows and returns its masks."""
+    """One matcher process: ``send_step`` sends a step's rows, ``receive_step`` returns its masks."""
 
     def __init__(self) -> None:
         self._connection, child_end = Pipe()
