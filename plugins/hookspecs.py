@@ -13,7 +13,7 @@ hook-only plugins receive them too.
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import pluggy
 
@@ -47,7 +47,7 @@ MODEL_SCOPED = frozenset(
 # implements them as static or class methods (no engine, so no instance, exists yet).
 INSTALLED_WIDE = frozenset({"register_models", "add_cli_options", "claim_request_parameters",
                             "register_tool_parsers", "register_reasoning_parsers",
-                            "register_quantization_methods"})
+                            "register_quantization_methods", "register_structured_output_backends"})
 
 
 @hookspec
@@ -361,4 +361,24 @@ def register_quantization_methods() -> dict[str, type[QuantizationMethod]] | Non
 
     The bundled ``fp8`` plugin serves ``fp8`` and ``compressed-tensors`` FP8 checkpoints (and
     ``--quantization fp8`` on any other); the ``gpt_oss`` adapter serves ``mxfp4``.
+    """
+
+
+@hookspec
+def register_structured_output_backends() -> dict[str, Iterable[str]] | None:
+    """Name the structured output backends this plugin provides: ``{name: the kinds it enforces}``.
+
+    The kinds are those of :class:`hookllm.sampling_params.StructuredOutputsParams`: ``json`` (a
+    JSON schema), ``regex``, ``choice``, ``grammar``, ``json_object``. Called on every installed
+    plugin (selected or not); a plugin whose backend needs a library that is missing registers
+    nothing. This is how the core finds a plugin by what it can do rather than by its name:
+    ``hookllm serve`` activates a plugin with a ``json`` backend (unless one is selected) for
+    ``tool_choice: "required"`` and named functions, which constrain the reply to a JSON schema.
+    The plugin enforces the constraints with the other hooks (it claims ``structured_outputs``
+    with ``claim_request_parameters`` and takes it in ``preprocess_request``). The bundled
+    ``structured`` plugin registers ``llguidance`` when llguidance is installed::
+
+        @hookimpl
+        def register_structured_output_backends():
+            return {"my-regex-engine": ["regex", "choice"]}
     """

@@ -1,8 +1,9 @@
 """Finding installed plugins (entry-point group ``hookllm.plugins``) and choosing the active set.
 
 Every installed plugin contributes to ``register_models``, ``add_cli_options``,
-``claim_request_parameters`` and the registrations of named classes (``register_tool_parsers``,
-``register_reasoning_parsers``, ``register_quantization_methods``); the other hooks run only for the active plugins: those the user
+``claim_request_parameters`` and the registrations of named components (``REGISTRATION_HOOKS``:
+tool parsers, reasoning parsers, quantization methods, structured output backends); the other
+hooks run only for the active plugins: those the user
 selected, the one that registered the checkpoint's architecture, and the core defaults. A
 plugin that fails to load is kept with its error, so it can be listed and reported when
 selected, and never takes down the others.
@@ -39,10 +40,12 @@ CORE_PLUGIN = "core"
 PLUGIN_FIELDS = ("structured_outputs",)
 _DEFAULT_PARAMS = SamplingParams()
 _NO_DEFAULT = object()  # an extra_args key a plugin names outright: any value needs the plugin
-# The hooks through which plugins name classes (parsers, quantization methods), and what those
-# classes are called in messages.
-NAMED_CLASS_HOOKS = {"register_tool_parsers": "tool parser", "register_reasoning_parsers": "reasoning parser",
-                     "register_quantization_methods": "quantization method"}
+# The hooks through which plugins register named components ({name: component}), and what one
+# such component is called in messages and in `hookllm plugins`: a new registration hook is one
+# more line here.
+REGISTRATION_HOOKS = {"register_tool_parsers": "tool parser", "register_reasoning_parsers": "reasoning parser",
+                      "register_quantization_methods": "quantization method",
+                      "register_structured_output_backends": "structured output backend"}
 
 
 @dataclass
@@ -57,8 +60,13 @@ class PluginInfo:
     parameters: RequestParameters = field(default_factory=RequestParameters)
     # extra_args keys from its add_cli_options dests -> the flag's default (what the CLI sends unasked)
     option_defaults: dict[str, Any] = field(default_factory=dict)
-    # NAMED_CLASS_HOOKS' hook -> {name: class}
-    named_classes: dict[str, dict[str, type]] = field(default_factory=dict)
+    # REGISTRATION_HOOKS' hook -> {name: what the plugin registers under it (a class; the kinds of a backend)}
+    registered: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def structured_output_kinds(self) -> set[str]:
+        """The ``structured_outputs`` kinds (``json``, ``regex``, ...) the plugin's backends enforce."""
+        return {kind for kinds in self.registered.get("register_structured_output_backends", {}).values()
+                for kind in kinds}
 
 
 def _new_plugin_manager() -> pluggy.PluginManager:
@@ -148,26 +156,31 @@ class PluginManager:
             info.parameters = RequestParameters(*(
                 tuple(dict.fromkeys(name for p in declared for name in getattr(p, part.name)))
                 for part in dataclasses.fields(RequestParameters)))
-            info.named_classes = {hook: {name: cls for named in alone(hook)() if named for name, cls in named.items()}
-                            for hook in NAMED_CLASS_HOOKS}
+            info.registered = {hook: {name: cls for named in alone(hook)() if named for name, cls in named.items()}
+                               for hook in REGISTRATION_HOOKS}
         self.all_plugins = registrations  # add_cli_options runs on every installed plugin
 
     def loaded(self) -> list[PluginInfo]:
         return [info for info in self.plugins.values() if info.module is not None]
 
     def named_class(self, hook: str, name: str) -> type:
-        """The class registered as ``name`` through ``hook`` (a key of ``NAMED_CLASS_HOOKS``) by
+        """The class registered as ``name`` through ``hook`` (a key of ``REGISTRATION_HOOKS``) by
         an installed plugin; ``ValueError`` naming the registered ones when none or several do."""
-        owners = [info for info in self.loaded() if name in info.named_classes[hook]]
+        owners = [info for info in self.loaded() if name in info.registered[hook]]
         if len(owners) == 1:
-            return owners[0].named_classes[hook][name]
-        what = NAMED_CLASS_HOOKS[hook]
+            return owners[0].registered[hook][name]
+        what = REGISTRATION_HOOKS[hook]
         if owners:
             raise ValueError(f"{what} {name!r} is registered by several plugins: "
                              f"{', '.join(info.name for info in owners)}")
-        known = sorted({named for info in self.loaded() for named in info.named_classes[hook]})
+        known = sorted({named for info in self.loaded() for named in info.registered[hook]})
         raise ValueError(f"no installed plugin provides a {what} named {name!r}; "
                          f"the {what}s: {', '.join(known) or 'none'}")
+
+    def structured_output_plugins(self, kind: str) -> list[str]:
+        """The installed plugins whose structured output backends enforce ``kind`` (``json``: a
+        JSON schema), by name."""
+        return sorted(info.name for info in self.loaded() if kind in info.structured_output_kinds())
 
     def check_selected(self, names: Iterable[str]) -> list[str]:
         """Validate user-selected plugin names: unknown or broken ones raise ``ValueError``."""

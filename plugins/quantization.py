@@ -18,7 +18,8 @@ one by the checkpoint's ``quantization_config.quant_method``, or by ``--quantiza
    place to quantize weights loaded in the model dtype, or to repack); then the layer's matmul
    is its method's ``apply``.
 
-``describe()`` is logged once, so the numeric path chosen is never silent.
+``describe()`` is the ``quantization`` line of the engine's start-up summary, so the numeric path
+chosen is never silent.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def quantize_model(model: nn.Module, method: QuantizationMethod) -> None:
         if quantized is not None:
             quantized.create_weights(module)
     model.quantization_method = method
-    logger.info("quantization: %s", method.describe())
+    logger.debug("quantization: %s", method.describe())  # the engine's start-up summary shows it too
 
 
 def finish_loading(model: nn.Module) -> None:

@@ -1,6 +1,7 @@
 """The hookllm command line."""
 
 import json
+import socket
 
 import pytest
 
@@ -72,6 +73,53 @@ def test_plugins_wrapped_lists_keep_every_hook_and_architecture(capsys):
     assert names and all(name in words for name in names)
 
 
+# What the bundled plugins register through each registration hook, called here directly on
+# the plugins' entry points.
+REGISTRATION_HOOKS = ("register_tool_parsers", "register_reasoning_parsers", "register_quantization_methods",
+                      "register_structured_output_backends")
+
+
+def registered_by_entry_points() -> dict[str, dict[str, list[str]]]:
+    """Plugin -> {"tool_parsers": [names], ...} for every installed plugin that registers something."""
+    from importlib import metadata
+
+    registered: dict[str, dict[str, list[str]]] = {}
+    for entry_point in metadata.entry_points(group="hookllm.plugins"):
+        plugin = entry_point.load()
+        for hook in REGISTRATION_HOOKS:
+            names = sorted(getattr(plugin, hook)() or {}) if hasattr(plugin, hook) else []
+            if names:
+                registered.setdefault(entry_point.name, {})[hook.removeprefix("register_")] = names
+    return registered
+
+
+def test_plugins_json_lists_what_each_plugin_registers(capsys):
+    expected = registered_by_entry_points()
+    assert "hermes" in expected["tool_parsers"]["tool_parsers"]
+    assert "qwen3" in expected["reasoning_parsers"]["reasoning_parsers"]
+    assert "fp8" in expected["fp8"]["quantization_methods"]
+    assert main(["plugins", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    listed = {row["name"]: {key: row[key] for key in (h.removeprefix("register_") for h in REGISTRATION_HOOKS)
+                            if row[key]} for row in rows}
+    assert {name: kinds for name, kinds in listed.items() if kinds} == expected
+
+
+def test_plugins_lists_what_each_plugin_registers_under_it(capsys):
+    assert main(["plugins"]) == 0
+    blocks = capsys.readouterr().out.split("\nserved by")[0]
+    lines = {}
+    for line in blocks.splitlines():
+        if not line.startswith(" "):
+            plugin = line.split(" (")[0]
+        else:
+            label, _, value = line.strip().partition(": ")
+            lines[plugin, label] = value.strip()
+    for plugin, registered in registered_by_entry_points().items():
+        for key, names in registered.items():
+            assert lines[plugin, key.replace("_", " ")] == ", ".join(names)
+
+
 def test_default_model_answers_paris(capsys):
     assert main(["generate", "--max-tokens", "32", "What is the capital of France?"]) == 0
     assert "Paris" in capsys.readouterr().out
@@ -85,3 +133,29 @@ def test_generate_with_several_prompts_heads_each_answer_with_its_prompt(tiny_ll
     assert main(argv) == 0
     expected = "".join(f"--- {p}\n{a}\n" for p, a in zip(prompts, answers))
     assert capsys.readouterr().out == expected
+
+
+def test_an_unknown_serve_flag_is_reported_with_serves_usage_and_the_closest_flag(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--max-num-sqes=4"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage: hookllm serve ")
+    assert err.splitlines()[-1] == ("hookllm serve: error: unrecognized arguments: --max-num-sqes=4 "
+                                    "(did you mean --max-num-seqs?)")
+
+
+def test_serve_refuses_a_busy_port_before_loading_the_model(tiny_llama_dir, capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", str(tiny_llama_dir), "--port", str(port), "--device", "cpu", "--log-level", "info"]) == 2
+    # One line naming the address, and nothing logged: the engine never started.
+    assert capsys.readouterr().err == f"hookllm: error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+
+
+@pytest.mark.parametrize("key", ["", "two words"])
+def test_serve_refuses_an_api_key_that_would_not_work_before_anything_else(key, tmp_path, capsys):
+    # The model does not exist: only the key is checked before it.
+    assert main(["serve", str(tmp_path / "no-model"), "--api-key", key]) == 2
+    assert "--api-key must be printable ASCII without spaces" in capsys.readouterr().err

@@ -1,7 +1,11 @@
 """docs/plugins.md's hook reference is generated from the hookspecs and must stay in step."""
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -25,3 +29,11 @@ def test_generated_hook_reference_covers_every_hookspec():
     hooks = [name for name, f in vars(hookspecs).items() if hasattr(f, hookspecs.PROJECT_NAME + "_spec")]
     assert len(hooks) >= 7
     assert all(f"### `{name}(" in text for name in hooks)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_model_help_says_it_takes_a_folder_or_a_hub_id(command):
+    result = subprocess.run([sys.executable, "-m", "hookllm.entrypoints.cli", command, "--help"],
+                            capture_output=True, text=True, timeout=120, check=True)
+    text = " ".join(result.stdout.split())  # argparse wraps the help at the terminal's width
+    assert "--model MODEL a local folder (config.json + safetensors) or a Hugging Face hub id" in text

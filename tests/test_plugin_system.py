@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+import types
 from typing import Callable
 
 import pytest
@@ -325,3 +326,70 @@ def test_extra_args_key_of_an_active_plugin_is_allowed(make_plugin, make_llm, ex
     params = SamplingParams(max_tokens=6, temperature=0.0, extra_args={"tag": "x"})
     llm = make_llm(plugins=["claimer"])
     assert llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0].token_ids == expected_tokens
+
+
+# A structured output backend for JSON schemas that takes the constraint (and enforces nothing):
+# enough to see which plugin the server chose, and that the engine let it take the request.
+JSON_BACKEND_PLUGIN = """
+import dataclasses
+
+from hookllm import hookimpl
+from hookllm.plugins.context import RequestParameters
+
+@hookimpl
+def register_structured_output_backends():
+    return {"fake-json": ["json"]}
+
+@hookimpl
+def claim_request_parameters():
+    return RequestParameters(sampling_params=("structured_outputs",))
+
+@hookimpl
+def preprocess_request(request):
+    params = request.sampling_params
+    if params.structured_outputs is not None:
+        request.sampling_params = dataclasses.replace(params, structured_outputs=None)
+"""
+
+
+def required_tool_choice(engine):
+    """``chat_tools`` for a ``tool_choice: "required"`` request on a server over ``engine``."""
+    from hookllm.server.protocol import ChatCompletionRequest
+    from hookllm.server.state import ServerSettings
+    from hookllm.server.tool_calling import chat_tools
+
+    tool = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[tool], tool_choice="required")
+    state = types.SimpleNamespace(settings=ServerSettings(served_model_names=["x"]), engine=engine)
+    return chat_tools(state, body)
+
+
+def test_tool_choice_required_activates_the_installed_plugin_with_a_json_schema_backend(make_plugin, make_llm,
+                                                                                        monkeypatch):
+    from hookllm.server.tool_calling import with_json_schema_plugin
+
+    make_plugin("jsonfake", JSON_BACKEND_PLUGIN)
+    monkeypatch.setenv("HOOKLLM_PLUGINS", "llama,jsonfake")  # the bundled structured plugin is not there
+    plugins = with_json_schema_plugin(["llama"], PluginManager())
+    assert plugins == ["llama", "jsonfake"]
+    engine = make_llm(plugins=plugins).engine
+    tools = required_tool_choice(engine)
+    params = tools.constrain(SamplingParams(max_tokens=2))
+    assert params.structured_outputs.json["minItems"] == 1
+    engine.add_request("r", {"prompt_token_ids": PROMPT}, params)  # taken by jsonfake, so not refused
+    assert engine.has_request("r")
+
+
+def test_tool_choice_required_without_a_json_schema_backend_is_a_400_saying_what_to_install(make_plugin, make_llm,
+                                                                                            monkeypatch):
+    from hookllm.server.errors import OpenAIError
+    from hookllm.server.tool_calling import with_json_schema_plugin
+
+    make_plugin("claimer", CLAIMING_PLUGIN)  # takes other parameters, enforces no schema
+    monkeypatch.setenv("HOOKLLM_PLUGINS", "llama,claimer")
+    plugins = with_json_schema_plugin(["llama", "claimer"], PluginManager())
+    assert plugins == ["llama", "claimer"]
+    with pytest.raises(OpenAIError, match=r"install llguidance .* or a plugin with a structured output backend "
+                                          r"for JSON schemas") as error:
+        required_tool_choice(make_llm(plugins=plugins).engine)
+    assert (error.value.status, error.value.param) == (400, "tool_choice")

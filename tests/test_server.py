@@ -236,7 +236,7 @@ def test_api_key_is_required_when_set(chat_model_dir):
         body = {"prompt": "x", "max_tokens": 2}
         assert httpx.post(server.url + "/v1/completions", json=body).status_code == 401
         wrong = httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
-        assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+        assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "invalid_request_error"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="sekrit", max_retries=0)

@@ -93,5 +93,5 @@ def test_an_unexpected_exception_is_an_openai_500_without_its_message():
     response = TestClient(app, raise_server_exceptions=False).get("/boom")
     assert response.status_code == 500
     error = response.json()["error"]
-    assert (error["type"], error["code"]) == ("internal_server_error", 500)
+    assert (error["type"], error["code"]) == ("server_error", 500)
     assert "FileNotFoundError" in error["message"] and "/secret" not in error["message"]

@@ -240,8 +240,8 @@ COMPLETION = {"model": "tiny", "prompt": "x"}
     ("/v1/completions", {**COMPLETION, "suffix": "!"}, "suffix"),
     ("/v1/chat/completions", {**CHAT, "best_of": 2}, "best_of"),  # not an OpenAI chat field
     ("/v1/completions", {**COMPLETION, "store": True}, "store"),
-    ("/v1/completions", {**COMPLETION, "stream": True, "stream_options": {"continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats"),
+    ("/v1/completions", {**COMPLETION, "stream": True, "stream_options": {"include_tokens_per_second": True}},
+     "stream_options.include_tokens_per_second"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/completions", {**COMPLETION, "n": MAX_N + 1}, "n"),
     ("/v1/chat/completions", {**CHAT, "n": MAX_N + 1}, "n"),

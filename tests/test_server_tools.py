@@ -275,7 +275,7 @@ def test_auto_needs_a_tool_parser_and_required_needs_structured_output():
     assert (error.value.status, error.value.param) == (400, "tool_choice")
     assert chat_tools(fake_state([], tool_call_parser="hermes"), body).constraint is None
     required = ChatCompletionRequest(messages=MESSAGES, tools=TOOLS, tool_choice="required")
-    with pytest.raises(OpenAIError, match="install llguidance .* or start the server with --plugin structured"):
+    with pytest.raises(OpenAIError, match="install llguidance .* or a plugin with a structured output backend"):
         chat_tools(fake_state(["core"]), required)
     assert chat_tools(fake_state(["core", "structured"]), required).constraint is not None
     plain = ChatCompletionRequest(messages=MESSAGES)
@@ -284,10 +284,11 @@ def test_auto_needs_a_tool_parser_and_required_needs_structured_output():
 
 def test_serve_activates_the_structured_plugin_and_checks_parser_names(capsys):
     from hookllm.entrypoints.cli import main
-    from hookllm.server.tool_calling import with_structured_plugin
+    from hookllm.server.reply_parsing import installed_plugins
+    from hookllm.server.tool_calling import with_json_schema_plugin
 
-    assert with_structured_plugin(["llava"]) == ["llava", "structured"]
-    assert with_structured_plugin(["structured"]) == ["structured"]
+    assert with_json_schema_plugin(["llava"], installed_plugins()) == ["llava", "structured"]
+    assert with_json_schema_plugin(["structured"], installed_plugins()) == ["structured"]
     for flag, what in (("--tool-call-parser", "tool parser"), ("--reasoning-parser", "reasoning parser")):
         with pytest.raises(SystemExit) as exit_:
             main(["serve", flag, "nope"])

@@ -1,5 +1,5 @@
-"""A tiny random LLaVA checkpoint, saved as transformers saves one: ``python -m
-hookllm.adapters.llava.make_tiny OUT_DIR``.
+"""A tiny random LLaVA checkpoint, saved as transformers saves one, and a sample image to show it
+(``OUT_DIR/cat.png``): ``python -m hookllm.adapters.llava.make_tiny OUT_DIR``.
 
 CLIP tower (28x28 images, patch 7: 16 image tokens), two-layer Llama decoder with GQA, a
 word-level tokenizer of 100 ids that knows ``<image>``, a LLaVA-1.5-style chat template and a
@@ -79,13 +79,35 @@ def save_checkpoint(path: str | Path, config: Any = None, seed: int = 0, chat_te
     return path
 
 
+def save_sample_image(path: str | Path) -> Path:
+    """A 64x64 PNG of a cartoon cat's face, drawn here so that trying the checkpoint needs no
+    download (the random model's answer has nothing to do with it)."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (64, 64), "skyblue")
+    draw = ImageDraw.Draw(image)
+    draw.polygon([(12, 26), (16, 4), (30, 18)], fill="orange")  # ears
+    draw.polygon([(52, 26), (48, 4), (34, 18)], fill="orange")
+    draw.ellipse((10, 12, 54, 56), fill="orange")  # head
+    draw.ellipse((20, 26, 28, 34), fill="black")  # eyes
+    draw.ellipse((36, 26, 44, 34), fill="black")
+    draw.polygon([(28, 40), (36, 40), (32, 45)], fill="pink")  # nose
+    path = Path(path)
+    image.save(path)
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hookllm.adapters.llava.make_tiny",
-                                     description="Save a tiny random LLaVA checkpoint (CPU-sized) to OUT_DIR.")
+                                     description="Save a tiny random LLaVA checkpoint (CPU-sized) to OUT_DIR, "
+                                                 "with a sample image, OUT_DIR/cat.png.")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     args = parser.parse_args(argv)
-    print(save_checkpoint(args.out_dir, seed=args.seed, chat_template=CHAT_TEMPLATE))
+    path = save_checkpoint(args.out_dir, seed=args.seed, chat_template=CHAT_TEMPLATE)
+    image = save_sample_image(path / "cat.png")
+    print(path)
+    print(f'try it: hookllm generate --model {path} --plugin llava --image {image} "What is in this picture?"')
     return 0
 
 

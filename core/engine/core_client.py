@@ -28,6 +28,7 @@ from hookllm.config import EngineConfig
 from hookllm.engine.llm_engine import LLMEngine
 from hookllm.engine.loop import EngineLoop
 from hookllm.engine.messages import Command, EngineReport, Shutdown, decode_report, encode_report, rebuild_error
+from hookllm.logging_config import configure_logging, current_level
 from hookllm.utils import join_or_kill, name_this_process
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,9 @@ class EngineProcess:
         pipes = [context.Pipe() for _ in range(num_clients)]
         self.client_conns = [ours for ours, _ in pipes]
         # Not a daemon: under tensor parallelism it starts the rank processes itself.
-        self.process = context.Process(target=_engine_process_main, args=(config, [theirs for _, theirs in pipes]),
+        # It logs as this process does (hookllm serve's --log-level): spawned, it inherits no logging setup.
+        self.process = context.Process(target=_engine_process_main,
+                                       args=(config, [theirs for _, theirs in pipes], current_level()),
                                        name="hookllm-engine-core")
         self.process.start()
         for _, theirs in pipes:
@@ -149,13 +152,13 @@ class EngineClient:
         self.conn.close()
 
 
-def _engine_process_main(config: EngineConfig, conns: list[Any]) -> None:
+def _engine_process_main(config: EngineConfig, conns: list[Any], log_level: int) -> None:
     # Ctrl-C and SIGTERM reach the whole process group: the API servers decide when the engine
     # stops (after draining), by shutdown commands or by closing their pipes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     name_this_process("hookllm-engine")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(log_level)
     try:
         engine = LLMEngine(config)
     except BaseException as exc:  # noqa: BLE001 - told to the parent, which raises it

@@ -8,9 +8,11 @@ core then ends. No layer reads another's state.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING, Any, Iterable
 
-from hookllm.config import EngineConfig, ModelConfig
+from hookllm.config import EngineConfig, ModelConfig, resolve_device
 from hookllm.engine.core import EngineCore
 from hookllm.engine.input_processor import InputProcessor
 from hookllm.engine.output_processor import OutputProcessor
@@ -25,6 +27,8 @@ from hookllm.worker.worker import resolve_model
 if TYPE_CHECKING:
     from hookllm.engine.arg_utils import EngineArgs
 
+logger = logging.getLogger(__name__)
+
 
 class LLMEngine:
     """Requests in, one step at a time, ``RequestOutput``s out (vLLM's offline engine).
@@ -36,6 +40,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, plugin_manager: PluginManager | None = None):
         from hookllm.hub import with_local_paths
 
+        started = time.perf_counter()
         # A hub id ("org/name") becomes its local snapshot folder before anything reads it.
         config = with_local_paths(config)
         self.config = config
@@ -47,6 +52,7 @@ class LLMEngine:
         self.engine_core = EngineCore(config, self.model_config, self.hooks, self.plugin_manager.registry,
                                       self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.hooks)
+        logger.info("%s", startup_summary(self, time.perf_counter() - started))
 
     @classmethod
     def from_engine_args(cls, engine_args: "EngineArgs") -> "LLMEngine":
@@ -168,3 +174,33 @@ class LLMEngine:
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
+
+
+def startup_summary(engine: LLMEngine, seconds: float) -> str:
+    """The start-up log's block: what ``engine`` serves and with what limits, one ``name: value``
+    line each (the names are the settings' own where there is one)."""
+    config, model_config, worker = engine.config, engine.model_config, engine.engine_core.worker
+    phases = worker.startup_seconds
+    graphs = phases.get("cuda_graphs")
+    dtype = str(model_config.dtype).removeprefix("torch.")
+    rows = {
+        "model": config.model,
+        "architecture": model_config.architecture,
+        "plugin": model_config.plugin,  # the one whose class serves the architecture
+        "dtype": dtype,
+        "device": resolve_device(config.device),
+        "kv_cache_blocks": worker.num_kv_blocks,
+        "kv_cache_tokens": worker.num_kv_blocks * config.block_size,
+        "block_size": config.block_size,
+        "kv_cache_dtype": dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
+        "max_model_len": model_config.max_model_len,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "active_plugins": ", ".join(engine.active_plugins),
+        "quantization": worker.quantization_summary,
+        "cuda_graphs": "not used" if graphs is None else f"captured in {graphs:.2f} s",
+        "load_time": f"{seconds:.2f} s (" + ", ".join(f"{name} {s:.2f} s" for name, s in phases.items()) + ")",
+    }
+    width = max(map(len, rows)) + 2
+    return "engine ready\n" + "\n".join(f"  {name + ':':<{width}}{value}" for name, value in rows.items())

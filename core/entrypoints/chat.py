@@ -1,5 +1,8 @@
 """Chat conversations to prompts: the tokenizer's chat template, content parts through plugins.
 
+A chat needs a chat template, the tokenizer's or one given (``LLM.chat(chat_template=...)``, a
+request's ``chat_template``, ``--chat-template``); without either it is an error, as in vLLM.
+
 Text parts join the message's text. Every other part (an image, a plugin's own type) goes to
 the ``render_content_part`` hook, which says what text stands for it in the prompt (a model's
 placeholder) and what ``multi_modal_data`` it adds: the core knows no model's placeholder.
@@ -8,7 +11,13 @@ placeholder) and what ``multi_modal_data`` it adds: the core knows no model's pl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+# How a model without a chat template can still chat, for the error that says it has none.
+NO_CHAT_TEMPLATE = ("the model has no chat template: give one (LLM.chat(chat_template=...), the request's "
+                    "chat_template field, or --chat-template FILE_OR_STRING for hookllm serve and generate), "
+                    "or send a raw prompt (LLM.generate, /v1/completions)")
 
 
 @dataclass
@@ -60,9 +69,8 @@ def render_chat(
     last (assistant) message open instead of starting a new turn.
     """
     tokenizer = engine.tokenizer
-    if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
-        raise ValueError("the model has no chat template; send a raw prompt (generate(), /v1/completions) or a "
-                         "chat_template")
+    if tokenizer is None or not (chat_template or has_chat_template(tokenizer)):
+        raise ValueError(NO_CHAT_TEMPLATE)
     if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
         raise ValueError("a conversation is a list of {'role': ..., 'content': ...} messages")
     if add_generation_prompt and continue_final_message:
@@ -82,3 +90,21 @@ def render_chat(
     if data:
         prompt["multi_modal_data"] = data
     return prompt
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``'s value as a template, as vLLM reads it: the text of the file it names,
+    else the value itself when it reads as Jinja (``{{`` or ``{%``); ``ValueError`` otherwise
+    (most likely a mistyped path)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template (no '{{{{' or '{{%')")

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import sys
 import textwrap
 from pathlib import Path
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from hookllm import __version__
 from hookllm.engine.arg_utils import DefaultsHelpFormatter, EngineArgs
+from hookllm.logging_config import add_log_level_argument, configure_logging, resolve_level
 from hookllm.utils import FlexibleArgumentParser
 
 PLUGINS_WIDTH = 100  # columns `hookllm plugins` fits in
@@ -30,7 +32,10 @@ def _plugin_parser(plugin_manager) -> argparse.ArgumentParser:
 
 def _generate_parser(subparsers: argparse._SubParsersAction, plugin_parser: argparse.ArgumentParser) -> None:
     p = subparsers.add_parser("generate", help="generate text for one or more prompts", parents=[plugin_parser],
-                              formatter_class=DefaultsHelpFormatter)
+                              formatter_class=DefaultsHelpFormatter,
+                              description="Each prompt is sent as a user message through the chat template "
+                              "(the model's, or --chat-template); a model without one gets the prompts raw, "
+                              "with a note on stderr. --no-chat always sends them raw.")
     p.add_argument("prompts", nargs="+", metavar="PROMPT", help="a prompt; - reads one from stdin")
     p.add_argument("--image", action="append", default=[], dest="images", metavar="PATH",
                    help="attach an image file (repeatable, in order); an image plugin renders it")
@@ -39,6 +44,9 @@ def _generate_parser(subparsers: argparse._SubParsersAction, plugin_parser: argp
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
     p.add_argument("--no-chat", action="store_true", help="send prompts raw, without the chat template")
+    p.add_argument("--chat-template", metavar="FILE_OR_STRING",
+                   help="the chat template (a file, or the Jinja text itself) instead of the tokenizer's")
+    add_log_level_argument(p)
     EngineArgs.add_cli_args(p)
 
 
@@ -52,26 +60,30 @@ def _check_device(device: str) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from hookllm import LLM, SamplingParams
+    from hookllm.entrypoints.chat import has_chat_template, read_chat_template, render_chat
 
     # Everything that can be checked without the model is checked first: loading takes a while.
     missing = [path for path in args.images if not Path(path).is_file()]
     if missing:
         raise ValueError(f"no such image file: {', '.join(missing)}")
+    if args.no_chat and args.chat_template is not None:
+        raise ValueError("--no-chat sends the prompts raw: it takes no --chat-template")
+    chat_template = read_chat_template(args.chat_template)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, extra_args={name: getattr(args, name) for name in args.plugin_options})
     engine_config = EngineArgs.from_cli_args(args).create_engine_config()
     _check_device(engine_config.device)
     prompts = [sys.stdin.read() if prompt == "-" else prompt for prompt in args.prompts]
     llm = LLM(**dataclasses.asdict(engine_config))
-    tokenizer = llm.tokenizer
-    use_chat = not args.no_chat and tokenizer is not None and getattr(tokenizer, "chat_template", None)
+    use_chat = not args.no_chat and (chat_template is not None or has_chat_template(llm.tokenizer))
+    if not use_chat and not args.no_chat:
+        print("hookllm: note: the model has no chat template, so the prompts are sent raw (--chat-template "
+              "FILE_OR_STRING gives one; --no-chat says raw on purpose)", file=sys.stderr)
     if use_chat:
-        from hookllm.entrypoints.chat import render_chat
-
         # Attachments go first, as in most chat UIs; a plugin renders each into its placeholder.
         attachments = [{"type": "image", "image": path} for path in args.images]
         requests = [render_chat(llm.engine, [{"role": "user", "content": attachments + [{"type": "text", "text": p}]}],
-                                None, True, False, None, None) for p in prompts]
+                                chat_template) for p in prompts]
     else:
         requests = [{"prompt": p, "multi_modal_data": {"image": args.images}} if args.images else p for p in prompts]
     _stream(llm, requests, params, prompts if len(prompts) > 1 else None)
@@ -113,7 +125,15 @@ def _stream(llm, requests: list, params, headings: list[str] | None) -> None:
         raise
 
 
+def _registered_key(hook: str) -> str:
+    """The listing's key for what plugins register through ``hook``: ``tool_parsers`` for
+    ``register_tool_parsers``."""
+    return hook.removeprefix("register_")
+
+
 def _run_plugins(args: argparse.Namespace, plugin_manager) -> int:
+    from hookllm.plugins.manager import REGISTRATION_HOOKS
+
     registry = plugin_manager.registry
     fallbacks = registry.fallbacks
     rows = [
@@ -123,6 +143,8 @@ def _run_plugins(args: argparse.Namespace, plugin_manager) -> int:
             "version": info.version,
             "hooks": info.hooks,
             "architectures": info.architectures,
+            # The names of what it registers (tool parsers, quantization methods, ...), by hook.
+            **{_registered_key(hook): sorted(info.registered.get(hook, {})) for hook in REGISTRATION_HOOKS},
             "error": info.error,
             # Only a plugin that registered a fallback has this key: what the fallback claims.
             **({"fallback": fallbacks[info.name]} if info.name in fallbacks else {}),
@@ -133,13 +155,16 @@ def _run_plugins(args: argparse.Namespace, plugin_manager) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     # A block per plugin, its lists wrapped: a table of them would not fit a terminal.
+    lists = {"hooks": "hooks", "architectures": "architectures",
+             **{_registered_key(hook): f"{what}s" for hook, what in REGISTRATION_HOOKS.items()}}
+    width = max(len(label) for label in lists.values()) + 2
     for r in rows:
         package = f"{r['distribution']} {r['version']}".strip()
         print(f"{r['name']} ({package})" if package else r["name"])
-        for label, value in (("hooks", ", ".join(r["hooks"])), ("architectures", ", ".join(r["architectures"])),
+        for label, value in (*((label, ", ".join(r[key])) for key, label in lists.items()),
                              ("fallback", r.get("fallback")), ("error", r["error"])):
             if value:
-                print(_wrapped(value, f"  {label + ':':<15}"))
+                print(_wrapped(value, f"  {label + ':':<{width}}"))
     # Who serves what: a native registration first, a fallback for everything else.
     print("\nserved by (--model-impl auto):")
     served = [(architecture, registry.explain(architecture)) for architecture in registry.architectures]
@@ -156,6 +181,16 @@ def _wrapped(text: str, head: str) -> str:
                          break_on_hyphens=False)
 
 
+def _refuse_unrecognized(command: argparse.ArgumentParser, arguments: list[str]) -> NoReturn:
+    """Exit as argparse does, but with the subcommand's usage (argparse shows the top level's)
+    and, for a flag close to one the subcommand knows, that flag."""
+    known = list(command._option_string_actions)
+    guesses = [match for argument in arguments if argument.startswith("-")
+               for match in difflib.get_close_matches(argument.split("=", 1)[0], known, n=1)]
+    hint = f" (did you mean {', '.join(guesses)}?)" if guesses else ""
+    command.error(f"unrecognized arguments: {' '.join(arguments)}{hint}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from hookllm.plugins.manager import PluginManager
 
@@ -166,14 +201,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     plugin_parser = _plugin_parser(plugin_manager)
     _generate_parser(subparsers, plugin_parser)
-    plugins = subparsers.add_parser("plugins", help="list installed plugins, their hooks and load errors, and "
+    plugins = subparsers.add_parser("plugins", help="list installed plugins, their hooks, what they register "
+                                    "(architectures, parsers, quantization methods, ...) and load errors, and "
                                     "which plugin serves each architecture")
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
     from hookllm.server import cli as server_cli
 
     server_cli.add_parsers(subparsers, plugin_parser)
-    args = parser.parse_args(argv)
+    args, unrecognized = parser.parse_known_args(argv)
+    if unrecognized:
+        _refuse_unrecognized(subparsers.choices[args.command], unrecognized)
     try:
+        if hasattr(args, "log_level"):  # the commands that run an engine
+            args.log_level = resolve_level(args.log_level)
+            configure_logging(args.log_level)
         if args.command == "plugins":
             return _run_plugins(args, plugin_manager)
         if args.command in server_cli.COMMANDS:

@@ -9,11 +9,12 @@ from importlib import metadata
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 
 from hookllm.engine.async_llm import AsyncLLM
 from hookllm.server import serving_basic, serving_chat, serving_completion, serving_responses
-from hookllm.server.errors import add_error_handlers, error_response
-from hookllm.server.metrics import ServerMetrics
+from hookllm.server.errors import ERROR_DESCRIPTIONS, add_error_handlers, error_response
+from hookllm.server.metrics import ArrivalTimeMiddleware, ServerMetrics
 from hookllm.server.state import ServerSettings, ServerState
 
 OPEN_PATHS = {"/health", "/version", "/metrics"}  # answered without the API key
@@ -32,7 +33,7 @@ class APIKeyMiddleware:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = error_response(401, "missing or wrong API key (Authorization: Bearer ...)",
-                                          "authentication_error", code="invalid_api_key")
+                                          code="invalid_api_key")
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -50,8 +51,28 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app.state.server = ServerState(engine, settings, ServerMetrics(engine, settings.served_model_names[0]))
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(ArrivalTimeMiddleware)  # added last: the outermost layer, first to see a request
     add_error_handlers(app)
     for module in (serving_basic, serving_completion, serving_chat, serving_responses):
         app.include_router(module.router)
     engine.hooks.hook.add_routes(app=app, engine=engine, context=engine.hooks.context)
+    app.openapi = lambda: openapi_document(app, bool(settings.api_key))
     return app
+
+
+def openapi_document(app: FastAPI, api_key: bool) -> dict[str, Any]:
+    """FastAPI's OpenAPI document of ``app`` (built once) as the server answers: without the 422
+    FastAPI documents for every route that takes input (a validation error is a 400 here, which
+    the routes document), and with the 401 of every guarded path when the server has an API key."""
+    if app.openapi_schema is None:
+        document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path, operations in document["paths"].items():
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+                if api_key and path not in OPEN_PATHS:
+                    operation["responses"]["401"] = {"description": ERROR_DESCRIPTIONS[401], "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+        for name in ("HTTPValidationError", "ValidationError"):
+            document.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = document
+    return app.openapi_schema

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import time
@@ -19,12 +21,15 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hookllm.engine.arg_utils import DefaultsHelpFormatter, EngineArgs
+from hookllm.logging_config import add_log_level_argument, configure_logging
 from hookllm.utils import join_or_kill
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 # What an API server needs after its drain (--shutdown-timeout) to stop its engine client and exit
 # an interpreter that imported torch, on a busy machine; past it, the parent kills it.
 SHUTDOWN_MARGIN_S = 30.0
+
+logger = logging.getLogger(__name__)
 
 
 def add_parsers(subparsers: argparse._SubParsersAction, plugin_parser: argparse.ArgumentParser) -> None:
@@ -36,14 +41,22 @@ def add_parsers(subparsers: argparse._SubParsersAction, plugin_parser: argparse.
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--served-model-name", action="append", dest="served_model_names", metavar="NAME",
                        help="model name(s) clients use (repeatable; default: the hub id, or the model folder's name)")
-    serve.add_argument("--api-key", default=os.environ.get("HOOKLLM_API_KEY"),
+    serve.add_argument("--api-key", default=os.environ.get("HOOKLLM_API_KEY") or None,
                        help="require 'Authorization: Bearer KEY' (default: env HOOKLLM_API_KEY)")
     serve.add_argument("--allowed-local-media-path", type=Path, metavar="DIR",
                        help="let chat image_url parts read file:// URLs inside DIR")
+    serve.add_argument("--chat-template", metavar="FILE_OR_STRING",
+                       help="the chat template (a file, or the Jinja text itself) for chats whose request gives "
+                            "none, instead of the tokenizer's; needed for chat on a model without one")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds SIGTERM waits for in-flight requests before aborting them")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                       help="uvicorn's log level")
+    add_log_level_argument(serve)  # uvicorn's too
+    serve.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request's end (id, prompt and output tokens, finish reason, latency) at "
+                            "debug level: shown with --log-level debug")
+    serve.add_argument("--disable-log-requests", action="store_false", dest="enable_log_requests",
+                       default=argparse.SUPPRESS,
+                       help="vLLM's older flag, accepted: requests are not logged unless --enable-log-requests")
     serve.add_argument("--api-server-count", type=int, default=1, metavar="N",
                        help="API server processes sharing the port and one engine process: more than one when "
                             "a single process's event loop cannot keep up with the streams")
@@ -89,8 +102,10 @@ def _parser_name(hook: str) -> Any:
 
 def run_serve(args: argparse.Namespace) -> int:
     from hookllm.engine.async_llm import AsyncLLM
+    from hookllm.entrypoints.chat import read_chat_template
     from hookllm.hub import with_local_paths
-    from hookllm.server.tool_calling import with_structured_plugin
+    from hookllm.server.reply_parsing import installed_plugins
+    from hookllm.server.tool_calling import with_json_schema_plugin
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -103,20 +118,39 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (the parser that reads the calls)")
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
-    config = with_local_paths(EngineArgs.from_cli_args(args).create_engine_config())
-    config.plugins = with_structured_plugin(config.plugins)
+    args.chat_template = read_chat_template(args.chat_template)  # the text from here on
+    # The key travels in an HTTP header: an empty one would leave the server open.
+    if args.api_key is not None and not re.fullmatch(r"[!-~]+", args.api_key):
+        raise ValueError("--api-key must be printable ASCII without spaces (an empty key would leave the server open)")
+    sock = _listening_socket(args.host, args.port)  # a busy port is found now, not after the model has loaded
     try:
+        config = with_local_paths(EngineArgs.from_cli_args(args).create_engine_config())
+        config.plugins = with_json_schema_plugin(config.plugins, installed_plugins())
         if args.api_server_count > 1:
-            return _run_api_servers(args, config)
-        _serve(args, AsyncLLM.from_engine_config(config))
+            return _run_api_servers(args, config, sock)
+        _serve(args, AsyncLLM.from_engine_config(config), sock)
         return 0
     finally:  # also when _serve ends with the SystemExit of a SIGTERM
+        sock.close()
         _stop_resource_tracker()
 
 
-def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket | None = None) -> None:
-    """Serve ``engine`` (an ``AsyncLLM``) until SIGTERM or SIGINT, on ``sock`` if given (a socket
-    shared with other API server processes) or else on ``--host`` and ``--port``."""
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening; ``ValueError`` naming the address if it cannot be."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: restarts need no wait
+    try:
+        sock.bind((host, port))
+        sock.listen()
+    except (OSError, OverflowError) as exc:  # OverflowError: a port outside 0-65535
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}") from None
+    return sock
+
+
+def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket) -> None:
+    """Serve ``engine`` (an ``AsyncLLM``) on ``sock`` (bound to ``--host`` and ``--port``, maybe
+    shared with other API server processes) until SIGTERM or SIGINT."""
     import uvicorn
 
     from hookllm.hub import short_model_name
@@ -129,7 +163,8 @@ def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket | None = N
                               api_key=args.api_key or None,
                               allowed_local_media_path=media.resolve() if media is not None else None,
                               plugin_options={name: getattr(args, name) for name in args.plugin_options},
-                              tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                              tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                              log_requests=args.enable_log_requests, chat_template=args.chat_template)
     # uvicorn re-raises the SIGTERM/SIGINT it caught once it has shut down: end with status 0
     # then (a clean stop, not a crash) instead of the default handlers' kill or traceback.
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -140,14 +175,17 @@ def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket | None = N
         # --shutdown-timeout, then the app's lifespan shuts the engine down (aborting the rest).
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                                timeout_graceful_shutdown=args.shutdown_timeout))
-        server.run(sockets=[sock] if sock is not None else None)
+        host, port = sock.getsockname()[:2]
+        # uvicorn says where it listens only for a socket it bound itself.
+        logger.info("serving on http://%s:%d", f"[{host}]" if ":" in host else host, port)
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
 
 
-def _run_api_servers(args: argparse.Namespace, config: Any) -> int:
+def _run_api_servers(args: argparse.Namespace, config: Any, sock: socket.socket) -> int:
     """One engine process and ``--api-server-count`` API server processes, each a client of the
-    engine over its own pipe, all accepting on one socket bound here. SIGTERM (or SIGINT) here is
+    engine over its own pipe, all accepting on ``sock``. SIGTERM (or SIGINT) here is
     passed on to the API servers, which drain as a single server does; the engine process stops
     once the last of them has gone. Each child gets ``--shutdown-timeout`` plus a margin to end,
     and is killed after that; the status is 0 only if every child ended cleanly on its own."""
@@ -158,7 +196,6 @@ def _run_api_servers(args: argparse.Namespace, config: Any) -> int:
 
     from hookllm.engine.core_client import EngineProcess
 
-    sock = socket.create_server((args.host, args.port))
     metrics_dir = tempfile.mkdtemp(prefix="hookllm-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # the API servers inherit it: summed metrics
     wake_r, wake_w = os.pipe()
@@ -198,7 +235,6 @@ def _run_api_servers(args: argparse.Namespace, config: Any) -> int:
     finally:
         for signum, handler in previous_handlers.items():
             signal.signal(signum, handler)  # before the pipe that ``stop`` writes to closes
-        sock.close()
         os.close(wake_r)
         os.close(wake_w)
         shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -225,6 +261,7 @@ def _api_server_main(args: argparse.Namespace, config: Any, conn: Any, sock: soc
     from hookllm.utils import name_this_process
 
     name_this_process("hookllm-api")
+    configure_logging(args.log_level)  # spawned: it inherits no logging setup, only the resolved level
     # A SIGTERM while this server still starts (nothing to drain yet) is a clean stop too.
     signal.signal(signal.SIGTERM, _exit_after_shutdown)
     _serve(args, AsyncLLM(config=config, connection=conn), sock)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,11 +10,21 @@ from hookllm.engine.async_llm import AsyncLLM
 from hookllm.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 
+# What a logprob that is not a finite number (-inf for a token the request rules out, NaN from
+# logits an extreme penalty overflowed) is written as: JSON has no such numbers, and vLLM writes -9999.0.
+NON_FINITE_LOGPROB = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    """``logprob`` as a JSON number: a non-finite one is ``NON_FINITE_LOGPROB``."""
+    return logprob if math.isfinite(logprob) else NON_FINITE_LOGPROB
+
+
 @dataclass
 class TokenLogprob:
     token: str
-    logprob: float
-    top: list[tuple[str, float]]
+    logprob: float | None  # None (and no top): a prompt's first token, which nothing predicts
+    top: list[tuple[str, float]] | None
 
 
 def convert_logprobs(engine: AsyncLLM, token_ids: list[int], entries: list[dict[int, Any]] | None,
@@ -24,7 +35,10 @@ def convert_logprobs(engine: AsyncLLM, token_ids: list[int], entries: list[dict[
     """
     result = []
     for token_id, entry in zip(token_ids, entries or []):
-        values = {tid: v.logprob for tid, v in entry.items()}
+        if entry is None:  # prompt logprobs start with None
+            result.append(TokenLogprob(engine.decode_token(token_id), None, None))
+            continue
+        values = {tid: json_logprob(v.logprob) for tid, v in entry.items()}
         top = sorted(values.items(), key=lambda item: item[1], reverse=True)[:num_top]
         result.append(TokenLogprob(engine.decode_token(token_id), values[token_id],
                                    [(engine.decode_token(tid), lp) for tid, lp in top]))
@@ -36,7 +50,7 @@ def completion_logprobs(tokens: list[TokenLogprob], offset: int) -> CompletionLo
     for token in tokens:
         out.tokens.append(token.token)
         out.token_logprobs.append(token.logprob)
-        out.top_logprobs.append(dict(token.top))
+        out.top_logprobs.append(None if token.top is None else dict(token.top))
         out.text_offset.append(offset)
         offset += len(token.token)
     return out

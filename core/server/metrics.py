@@ -5,13 +5,18 @@ in prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, set by t
 ``/metrics`` from any of them sums every process's counters and histograms. The engine's gauges
 are read from the stats the engine last reported, the same in every process; its first report
 comes as it starts, so they are right (``hookllm:num_kv_blocks`` the cache's size) before any request.
+
+Every latency counts from the request's arrival: ``ArrivalTimeMiddleware`` notes it as the HTTP
+request comes in, before its body is read, its prompt rendered and tokenized, or it waits in
+the engine's queue, so a request that waited 40 s reports 40 s.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Iterator
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -22,6 +27,8 @@ from hookllm.sched.scheduler import SchedulerStats
 from hookllm.engine.async_llm import AsyncLLM
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+# A whole request, or its first token behind a long queue, takes minutes on a loaded server.
+REQUEST_LATENCY_BUCKETS = LATENCY_BUCKETS + (60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 class ServerMetrics:
@@ -34,10 +41,14 @@ class ServerMetrics:
                                      list(labels), registry=self.registry).labels(**labels)
         self.generation_tokens = Counter("hookllm:generation_tokens", "Generated tokens.",
                                          list(labels), registry=self.registry).labels(**labels)
-        self.ttft = Histogram("hookllm:time_to_first_token_seconds", "Time from arrival to the first token.",
-                              list(labels), buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)
+        self.ttft = Histogram("hookllm:time_to_first_token_seconds",
+                              "Time from the request's arrival at the server to its first token.",
+                              list(labels), buckets=REQUEST_LATENCY_BUCKETS, registry=self.registry).labels(**labels)
         self.tpot = Histogram("hookllm:time_per_output_token_seconds", "Time between output tokens.",
                               list(labels), buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)
+        self.e2e = Histogram("hookllm:e2e_request_latency_seconds",
+                             "Time from the request's arrival at the server to its last token (finished requests).",
+                             list(labels), buckets=REQUEST_LATENCY_BUCKETS, registry=self.registry).labels(**labels)
         self._finished = Counter("hookllm:request_success", "Finished requests by finish reason "
                                  "(stop, length, abort, error).", ["model_name", "finished_reason"],
                                  registry=self.registry)
@@ -79,23 +90,62 @@ class EngineGauges:
             yield family
 
 
-class RequestTimer:
-    """One request's token timings: the first token feeds TTFT, each later one TPOT."""
+_arrival: ContextVar[float] = ContextVar("hookllm_request_arrival")
 
-    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int):
+
+class ArrivalTimeMiddleware:
+    """Pure ASGI: notes when each HTTP request arrives (``time.perf_counter()``), for
+    ``request_arrival`` in whatever handles it. The app's outermost layer."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            _arrival.set(time.perf_counter())  # the handler's task and the tasks it starts see it
+        await self.app(scope, receive, send)
+
+
+def request_arrival() -> float:
+    """When the HTTP request being handled arrived at the server (``time.perf_counter()``)."""
+    return _arrival.get()
+
+
+class RequestTimer:
+    """One request's latencies from its ``arrival`` (``request_arrival``): the first token feeds
+    TTFT; each later output's gap since the one before, shared among its tokens, feeds TPOT once
+    per token; the finished request's whole time feeds the end-to-end latency."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float, num_prompt_tokens: int):
         self.metrics = metrics
-        self.arrival = self.last = time.perf_counter()
+        self.arrival = arrival
+        self.last = arrival
+        self.end: float | None = None
+        self.first_token_latency: float | None = None
+        self.num_prompt_tokens = num_prompt_tokens
         self.num_tokens = 0
         metrics.prompt_tokens.inc(num_prompt_tokens)
 
-    def tokens(self, count: int) -> None:
-        if count <= 0:
-            return
+    def output(self, count: int, finished: bool) -> None:
+        """An output with ``count`` new tokens arrived from the engine; ``finished``: its last."""
         now = time.perf_counter()
-        if self.num_tokens == 0:
-            self.metrics.ttft.observe(now - self.arrival)
-        else:
-            self.metrics.tpot.observe((now - self.last) / count)
-        self.num_tokens += count
-        self.last = now
-        self.metrics.generation_tokens.inc(count)
+        if count > 0:
+            if self.num_tokens == 0:
+                self.first_token_latency = now - self.arrival
+                self.metrics.ttft.observe(self.first_token_latency)
+            else:
+                # Several tokens at once (steps that piled up while this consumer was busy)
+                # share the gap: TPOT's sum stays the time from the first token to the last.
+                for _ in range(count):
+                    self.metrics.tpot.observe((now - self.last) / count)
+            self.num_tokens += count
+            self.last = now
+            self.metrics.generation_tokens.inc(count)
+        if finished:
+            self.end = now
+            self.metrics.e2e.observe(now - self.arrival)
+
+    @property
+    def latency(self) -> float:
+        """Seconds from arrival to the last output (to now, for a request that has not finished)."""
+        return (time.perf_counter() if self.end is None else self.end) - self.arrival

@@ -3,8 +3,9 @@
 The sampling fields OpenAI lacks (``top_k``, ``min_p``, ``ignore_eos``, ...) are accepted in the
 body, which is where the openai client's ``extra_body`` puts them. A body field the request model
 does not declare is kept (``model_extra``): ``ServerState.extra_args`` takes it as a plugin
-option, accepts it if it is null or one of ``IGNORED_FIELDS``, and refuses anything else (400), so
-that no field is ever silently dropped. Objects inside messages stay lenient (unknown keys ignored).
+option, accepts it if it is null, one of ``IGNORED_FIELDS`` or one of ``UNSUPPORTED_FIELDS`` with
+the value that asks for nothing, and refuses anything else (400), so that no field is ever
+silently dropped. Objects inside messages stay lenient (unknown keys ignored).
 """
 
 from __future__ import annotations
@@ -33,6 +34,30 @@ IGNORED_FIELDS: dict[str, tuple[Any, ...] | None] = {
     "user": None, "metadata": None, "service_tier": None, "prompt_cache_key": None, "safety_identifier": None,
     "store": (False,),
 }
+# vLLM's and SGLang's body fields for what this server does not do: each is accepted with the value
+# that asks for nothing (its default there: routers send them with every request) and is a 400
+# giving the reason otherwise.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
+    "return_hidden_states": (False, "hidden states are not served yet"),
+    "spaces_between_special_tokens": (True, "special tokens are decoded as the tokenizer joins them"),
+    "use_beam_search": (False, "beam search is offline only (LLM.beam_search)"),
+    "length_penalty": (1.0, "it scores beam search, which is offline only"),
+    "priority": (0, "requests are scheduled first come, first served"),
+    "return_tokens_as_token_ids": (False, "logprobs name tokens by their text"),
+    "return_token_ids": (False, "replies carry no token ids (POST /tokenize gives them)"),
+    "prompt_logprobs": (None, "use echo with logprobs on /v1/completions"),
+    "logits_processors": ([], "logits processors are plugins, chosen when the server starts (--plugin)"),
+    "mm_processor_kwargs": ({}, "the multimodal processor takes no per-request options"),
+    "kv_transfer_params": ({}, "there is no KV transfer (disaggregated prefill)"),
+    "cache_salt": (None, "the prefix cache is not partitioned per salt"),
+    "guided_decoding_backend": (None, "structured output has one backend, the structured plugin"),
+    "guided_whitespace_pattern": (None, "structured output's JSON whitespace is not configurable"),
+    "structural_tag": (None, "structural tags are not supported"),
+    "prompt_embeds": (None, "prompts are text or token ids"),
+    "echo": (False, "a chat reply does not repeat the final message"),
+}
+# vLLM's older structured-output fields, as ``structured_outputs``' keys.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class OpenAIModel(BaseModel):
@@ -44,7 +69,8 @@ class OpenAIModel(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")  # an option not honoured is a 400 naming it
 
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the whole request's usage
+    continuous_usage_stats: bool = False  # ``usage`` so far on every chunk (vLLM's)
 
 
 class JsonSchemaFormat(OpenAIModel):
@@ -85,13 +111,21 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    no_stop_trim: bool = False  # SGLang's name for include_stop_str_in_output
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     extra_args: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None  # vLLM's name for extra_args
+    request_id: str | None = Field(None, min_length=1)  # vLLM's: the response's id ends with it
     # OpenAI's JSON mode / structured outputs, and vLLM's body field; the structured plugin enforces them.
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -109,6 +143,13 @@ class SamplingFields(BaseModel):
         wanted = self.response_format is not None and self.response_format.type != "text"
         if wanted and self.structured_outputs is not None:
             raise ValueError("response_format and structured_outputs cannot both be set")
+        guided = {name: getattr(self, name) for name in GUIDED_FIELDS if getattr(self, name) is not None}
+        if guided:
+            first = next(iter(guided))
+            if wanted or self.structured_outputs is not None or len(guided) > 1:
+                raise ValueError(f"{first}: set one of {', '.join(GUIDED_FIELDS)}, response_format and "
+                                 f"structured_outputs, not several")
+            return StructuredOutputsParams(**{GUIDED_FIELDS[first]: guided[first]})
         if self.structured_outputs is not None:
             try:
                 return StructuredOutputsParams(**self.structured_outputs)
@@ -129,8 +170,9 @@ class SamplingFields(BaseModel):
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, n=self.n,
+            include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
+            skip_special_tokens=self.skip_special_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens,
+            logprobs=logprobs, n=self.n,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
@@ -138,12 +180,22 @@ class SamplingFields(BaseModel):
         )
 
 
+# A prompt as token ids: not empty. (A text prompt may be empty if the tokenizer adds a BOS token.)
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt is scored, nothing generated
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
+    add_special_tokens: bool = True  # text prompts' tokenizing (vLLM's): false leaves out the BOS token
+
+    @property
+    def scores_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the answer is the prompt (with its logprobs), as vLLM gives it."""
+        return self.echo and self.max_tokens == 0
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         extra_args: dict[str, Any]) -> SamplingParams:
@@ -227,6 +279,11 @@ class NamedToolChoice(OpenAIModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    # The schema states what top_logprobs_needs_logprobs checks: a top_logprobs number needs logprobs true.
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -249,6 +306,15 @@ class ChatCompletionRequest(SamplingFields):
     # None: "auto" with tools, else "none" (hookllm.server.tool_calling says what each means).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True  # false: at most one call per reply
+    # vLLM's: the chat template's ``documents`` and ``reasoning_effort`` variables; the rendered
+    # prompt tokenized with special tokens (a BOS) added in front of the template's own.
+    documents: list[dict[str, Any]] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    add_special_tokens: bool = False
+    # With --reasoning-parser (vLLM's include_reasoning, SGLang's other two; see ReasoningOptions).
+    include_reasoning: bool = True
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 class UsageInfo(BaseModel):
@@ -374,9 +440,14 @@ class ModelList(BaseModel):
 class TokenizeRequest(OpenAIModel):
     """vLLM's /tokenize body: a ``prompt``, or chat ``messages`` rendered with the chat template."""
 
+    # The schema states what the route checks: exactly one of the two is given (and not null).
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
+
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -389,7 +460,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 class DetokenizeResponse(BaseModel):

@@ -9,6 +9,7 @@ name among the installed plugins.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from hookllm.plugins.manager import PluginManager
 from hookllm.plugins.reasoning_parsers import ReasoningDelta, ReasoningParser
@@ -33,16 +34,36 @@ def reasoning_parser_class(name: str) -> type[ReasoningParser]:
     return installed_plugins().named_class("register_reasoning_parsers", name)
 
 
+@dataclass(frozen=True)
+class ReasoningOptions:
+    """What a chat request asks of its replies' reasoning (with a reasoning parser): ``separate``
+    false leaves it in the content as the model wrote it (SGLang's ``separate_reasoning``),
+    ``include`` false drops it (vLLM's ``include_reasoning``), ``stream`` false holds a stream's
+    reasoning back and sends it in one delta once it has ended (SGLang's ``stream_reasoning``)."""
+
+    separate: bool = True
+    include: bool = True
+    stream: bool = True
+
+
 class ReplyParser:
     """One choice's reply: ``feed`` its text deltas (``final`` with the last), or ``parse`` it whole.
 
     ``reasoning`` splits off the reasoning; ``tools`` parses the content that follows; either
     may be None (the text passes as it is). Calls past ``max_calls`` are dropped
-    (``parallel_tool_calls: false``). Each call gets its id here."""
+    (``parallel_tool_calls: false``). Each call gets its id here. ``options`` say what becomes
+    of the reasoning."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, max_calls: int | None = None):
-        self._reasoning, self._tools, self._max_calls = reasoning, tools, max_calls
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, max_calls: int | None = None,
+                 options: ReasoningOptions = ReasoningOptions()):
+        self._reasoning = reasoning if options.separate else None
+        self._tools, self._max_calls, self._options = tools, max_calls, options
         self._ids: list[str] = []  # by call index
+        self._held = ""  # streamed reasoning not sent yet (options.stream false)
+
+    def with_options(self, options: ReasoningOptions) -> ReplyParser:
+        """This parser (not fed yet) with ``options``."""
+        return ReplyParser(self._reasoning, self._tools, self._max_calls, options)
 
     @property
     def called(self) -> bool:
@@ -51,10 +72,19 @@ class ReplyParser:
 
     def feed(self, text: str, final: bool = False) -> DeltaMessage:
         reasoning, content, calls = self._split(text, final)
+        if not self._options.stream:  # sent once the reply has gone past it
+            self._held += reasoning
+            reasoning = ""
+            if final or content or calls:
+                reasoning, self._held = self._held, ""
+        if not self._options.include:
+            reasoning = ""
         return DeltaMessage(content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None)
 
     def parse(self, text: str) -> ChatResponseMessage:
         reasoning, content, calls = self._split(text, final=True)
+        if not self._options.include:
+            reasoning = ""
         tool_calls = [ToolCall(id=call.id, function=FunctionCall(name=call.function.name,
                                                                  arguments=call.function.arguments))
                       for call in calls]

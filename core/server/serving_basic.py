@@ -5,9 +5,9 @@ from __future__ import annotations
 from importlib import metadata
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
-from hookllm.server.errors import OpenAIError
+from hookllm.server.errors import OpenAIError, error_responses
 from hookllm.server.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                      TokenizeResponse)
 from hookllm.server.state import server_state
@@ -15,7 +15,8 @@ from hookllm.server.state import server_state
 router = APIRouter()
 
 
-@router.get("/health")
+@router.get("/health", response_class=Response,
+            responses={200: {"description": "The engine runs"}, 503: {"description": "The engine has stopped"}})
 async def health(request: Request) -> Response:
     return Response(status_code=200 if server_state(request).engine.is_running else 503)
 
@@ -25,7 +26,7 @@ async def version() -> dict[str, str]:
     return {"version": metadata.version("hookllm")}
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def show_metrics(request: Request) -> Response:
     return Response(server_state(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -37,7 +38,7 @@ async def show_available_models(request: Request) -> ModelList:
                            for name in state.settings.served_model_names])
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=error_responses(400, 404))
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state = server_state(request)
     state.model_name(body.model)
@@ -50,7 +51,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=state.max_model_len)
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=error_responses(400, 404))
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state = server_state(request)
     state.model_name(body.model)

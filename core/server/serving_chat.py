@@ -8,6 +8,7 @@ reasoning and tool calls (``hookllm.server.tool_calling``, ``hookllm.server.repl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -17,23 +18,26 @@ from fastapi.responses import Response
 
 from hookllm.outputs import RequestOutput
 from hookllm.server.logprobs import chat_logprobs, convert_logprobs
-from hookllm.server.errors import OpenAIError
+from hookllm.server.errors import OpenAIError, generation_responses
 from hookllm.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                      ChatLogprobs, ChatStreamChoice, DeltaMessage, UsageInfo)
-from hookllm.server.reply_parsing import ReplyParser
+from hookllm.server.reply_parsing import ReasoningOptions, ReplyParser
 from hookllm.server.state import ServerState, server_state
-from hookllm.server.streaming import gather, sse, until_disconnect
+from hookllm.server.streaming import StreamUsage, gather, sse, until_disconnect
 from hookllm.server.tool_calling import chat_tools
 
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None, responses=generation_responses(
+    ChatCompletionResponse, "a `ChatCompletionChunk` per chunk, then `[DONE]`"))
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = server_state(request)
 
     async def run() -> Response:
         chat = await start_chat(state, body, f"chatcmpl-{uuid.uuid4().hex}")
+        if body.request_id is not None:  # the reply's id; the engine's stay unique
+            chat = dataclasses.replace(chat, request_id=f"chatcmpl-{body.request_id}")
         return sse(chat.chunks()) if body.stream else await chat.response()
 
     return await until_disconnect(request, run())
@@ -65,17 +69,19 @@ class ChatRun:
         return ChatCompletionResponse(id=self.request_id, model=self.name, choices=choices, usage=usage)
 
     async def chunks(self) -> AsyncIterator[ChatCompletionChunk]:
-        # Each choice's role comes alone first, then its deltas, as OpenAI streams them.
-        for index in range(self.body.n):
-            yield self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         parsers = [self.replies() for _ in range(self.body.n)]
-        prompt_tokens = completion_tokens = 0
+        usage = StreamUsage(self.body.stream_options)
         async with contextlib.aclosing(self.gen) as gen:
             async for output in gen:
-                prompt_tokens = prompt_tokens or len(output.prompt_token_ids)
+                if not usage.prompt_tokens:  # the first output (there already): the prompt's size is known
+                    usage.prompt_tokens = len(output.prompt_token_ids)
+                    # Each choice's role comes alone first, then its deltas, as OpenAI streams them.
+                    for index in range(self.body.n):
+                        yield self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant",
+                                                                                            content=""))], usage)
                 choices = []
                 for completion in output.outputs:
-                    completion_tokens += len(completion.token_ids)
+                    usage.completion_tokens += len(completion.token_ids)
                     parser = parsers[completion.index]
                     delta = parser.feed(completion.text, final=completion.finish_reason is not None)
                     logprobs = self._logprobs(completion.token_ids, completion.logprobs)
@@ -84,18 +90,17 @@ class ChatRun:
                             index=completion.index, delta=delta, logprobs=logprobs,
                             finish_reason=_finish_reason(completion.finish_reason, parser.called)))
                 if choices:
-                    yield self._chunk(choices)
-        if self.body.stream_options and self.body.stream_options.include_usage:
-            yield ChatCompletionChunk(id=self.request_id, model=self.name, choices=[],
-                                      usage=UsageInfo.of(prompt_tokens, completion_tokens))
+                    yield self._chunk(choices, usage)
+        if usage.final() is not None:
+            yield ChatCompletionChunk(id=self.request_id, model=self.name, choices=[], usage=usage.final())
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, Any]] | None) -> ChatLogprobs | None:
         if not self.body.logprobs:
             return None
         return chat_logprobs(convert_logprobs(self.state.engine, token_ids, logprobs, self.num_top))
 
-    def _chunk(self, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.request_id, model=self.name, choices=choices)
+    def _chunk(self, choices: list[ChatStreamChoice], usage: StreamUsage) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.request_id, model=self.name, choices=choices, usage=usage.so_far())
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:
@@ -111,12 +116,19 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id
                                    num_top if body.logprobs else None)
     tools = chat_tools(state, body)
     params = tools.constrain(params)
+    template_variables = {name: value for name, value in (("documents", body.documents),
+                                                         ("reasoning_effort", body.reasoning_effort))
+                          if value is not None}
     prompt = await state.render_chat(body, chat_template=body.chat_template,
                                      add_generation_prompt=body.add_generation_prompt,
                                      continue_final_message=body.continue_final_message, tools=tools.template_tools,
-                                     chat_template_kwargs=body.chat_template_kwargs)
+                                     chat_template_kwargs={**template_variables, **(body.chat_template_kwargs or {})})
+    if body.add_special_tokens:
+        prompt["prompt_token_ids"] = await state.engine.tokenize(prompt["prompt"])
     try:
         (gen,) = await state.start([prompt], params, request_id)
     except OpenAIError as exc:
         raise tools.explain(exc) from None
-    return ChatRun(state, body, name, request_id, gen, num_top, tools.replies)
+    options = ReasoningOptions(separate=body.separate_reasoning, include=body.include_reasoning,
+                               stream=body.stream_reasoning)
+    return ChatRun(state, body, name, request_id, gen, num_top, lambda: tools.replies().with_options(options))

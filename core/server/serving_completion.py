@@ -1,8 +1,14 @@
 """``POST /v1/completions``: one engine request per prompt (with its ``n`` choices, or its
-``best_of`` candidates of which the ``n`` best are returned), answered whole or streamed."""
+``best_of`` candidates of which the ``n`` best are returned), answered whole or streamed.
+
+``echo`` with ``logprobs`` scores the prompt, as evaluation harnesses do: each choice's logprobs
+begin with the prompt's tokens (the engine's prompt logprobs; the first token's is null), and
+with ``max_tokens`` 0 that is the whole answer (one token is generated and left out, as vLLM does).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from typing import AsyncIterator
@@ -12,32 +18,39 @@ from fastapi.responses import Response, StreamingResponse
 
 from hookllm.engine.async_llm import AsyncLLM
 from hookllm.outputs import CompletionOutput, RequestOutput
-from hookllm.server.errors import OpenAIError
-from hookllm.server.logprobs import completion_logprobs, convert_logprobs
+from hookllm.server.errors import OpenAIError, generation_responses
+from hookllm.server.logprobs import TokenLogprob, completion_logprobs, convert_logprobs
 from hookllm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from hookllm.server.state import server_state
-from hookllm.server.streaming import Result, gather, merge, sse, until_disconnect
+from hookllm.server.streaming import Result, StreamUsage, gather, merge, sse, until_disconnect
 
 router = APIRouter()
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post("/v1/completions", response_model=None,
+             responses=generation_responses(CompletionResponse, "a `CompletionResponse` per chunk, then `[DONE]`"))
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = server_state(request)
     name = state.model_name(body.model)
-    if body.echo and body.logprobs is not None:
-        raise OpenAIError(400, "echo with logprobs is not supported (no prompt logprobs)", param="echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise OpenAIError(400, "max_tokens must be >= 1 (0 only with echo, to score the prompt)", param="max_tokens")
     prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
         body.prompt[0], int) else [body.prompt]
     if not prompts:
         raise OpenAIError(400, "prompt is empty", param="prompt")
-    params = state.sampling_params(body, body.max_tokens, body.logprobs)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    if not body.add_special_tokens:  # text prompts tokenized here, without the tokenizer's BOS
+        prompts = [{"prompt": p, "prompt_token_ids": await state.engine.tokenize(p, add_special_tokens=False)}
+                   if isinstance(p, str) else p for p in prompts]
+    params = state.sampling_params(body, 1 if body.scores_only else body.max_tokens, body.logprobs)
+    if body.echo and body.logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+    request_id = f"cmpl-{uuid.uuid4().hex}"  # the engine requests' base: unique whatever the body says
+    response_id = f"cmpl-{body.request_id}" if body.request_id is not None else request_id
 
     async def run() -> Response:
         gens = await state.start(prompts, params, request_id)
-        return (completion_stream(state.engine, body, name, request_id, gens) if body.stream
-                else await completion_response(state.engine, body, name, request_id, gens, params.n))
+        return (completion_stream(state.engine, body, name, response_id, gens) if body.stream
+                else await completion_response(state.engine, body, name, response_id, gens, params.n))
 
     return await until_disconnect(request, run())
 
@@ -52,16 +65,9 @@ async def completion_response(engine: AsyncLLM, body: CompletionRequest, name: s
     the ``n`` best are the choices. ``usage`` counts each prompt once and every candidate's tokens."""
     results = await gather(gens, candidates)
     usage = UsageInfo.of(sum(len(r.prompt_token_ids) for r in results[::candidates]),
-                         sum(len(r.token_ids) for r in results))
-    choices = []
-    for index, result in enumerate(best(results, candidates, body.n)):
-        prefix = echo_text(engine, result) if body.echo else ""
-        logprobs = None
-        if body.logprobs is not None:
-            logprobs = completion_logprobs(
-                convert_logprobs(engine, result.token_ids, result.logprobs, body.logprobs), len(prefix))
-        choices.append(CompletionChoice(index=index, text=prefix + result.text, logprobs=logprobs,
-                                        finish_reason=result.finish_reason))
+                         0 if body.scores_only else sum(len(r.token_ids) for r in results))
+    choices = [choice(engine, body, index, result, result, True, 0)
+               for index, result in enumerate(best(results, candidates, body.n))]
     return CompletionResponse(id=request_id, model=name, choices=choices, usage=usage)
 
 
@@ -84,34 +90,44 @@ def completion_stream(engine: AsyncLLM, body: CompletionRequest, name: str, requ
     completion ``j`` is choice ``i * n + j``. The usage chunk counts each prompt once."""
 
     async def chunks() -> AsyncIterator[CompletionResponse]:
-        offsets: dict[int, int] = {}  # text so far per choice, for logprobs' text_offset
+        offsets: dict[int, int] = {}  # per choice begun, its tokens' text so far (logprobs' text_offset)
         begun: set[int] = set()  # the prompts whose tokens are counted
-        prompt_tokens = completion_tokens = 0
+        usage = StreamUsage(body.stream_options)
         async for prompt_index, output in merge(gens):
             if prompt_index not in begun:
                 begun.add(prompt_index)
-                prompt_tokens += len(output.prompt_token_ids)
+                usage.prompt_tokens += len(output.prompt_token_ids)
             choices = []
             for completion in output.outputs:
                 index = prompt_index * body.n + completion.index
-                echo = echo_text(engine, output) if body.echo and index not in offsets else ""
-                choices.append(stream_choice(engine, body, index, completion, echo, offsets.get(index, 0)))
-                offsets[index] = offsets.get(index, 0) + len(choices[-1].text)
-                completion_tokens += len(completion.token_ids)
-            yield CompletionResponse(id=request_id, model=name, choices=choices)
-        if body.stream_options and body.stream_options.include_usage:
-            yield CompletionResponse(id=request_id, model=name, choices=[],
-                                     usage=UsageInfo.of(prompt_tokens, completion_tokens))
+                if body.scores_only and index in offsets and completion.finish_reason is None:
+                    continue  # the generated token, which is not part of the answer
+                choices.append(choice(engine, body, index, output, completion, index not in offsets,
+                                      offsets.get(index, 0)))
+                offsets[index] = offsets.get(index, 0) + sum(map(len, choices[-1].logprobs.tokens
+                                                                  if choices[-1].logprobs else []))
+                usage.completion_tokens += 0 if body.scores_only else len(completion.token_ids)
+            if choices:
+                yield CompletionResponse(id=request_id, model=name, choices=choices, usage=usage.so_far())
+        if usage.final() is not None:
+            yield CompletionResponse(id=request_id, model=name, choices=[], usage=usage.final())
 
     return sse(chunks())
 
 
-def stream_choice(engine: AsyncLLM, body: CompletionRequest, index: int, completion: CompletionOutput,
-                  echo: str, offset: int) -> CompletionChoice:
-    """One choice's new text (after ``echo``, its prompt on its first chunk); ``offset``: its text so far."""
-    logprobs = None
-    if body.logprobs is not None:
-        logprobs = completion_logprobs(convert_logprobs(
-            engine, completion.token_ids, completion.logprobs, body.logprobs), offset + len(echo))
-    return CompletionChoice(index=index, text=echo + completion.text, logprobs=logprobs,
-                            finish_reason=completion.finish_reason)
+def choice(engine: AsyncLLM, body: CompletionRequest, index: int, prompt: Result | RequestOutput,
+           completion: Result | CompletionOutput, first: bool, offset: int) -> CompletionChoice:
+    """Choice ``index``'s text (the whole, or a stream's new part): on its ``first`` part, after
+    its prompt when echoed, and only that when ``body.scores_only``. ``offset``: the text of its
+    tokens before this part (logprobs' ``text_offset`` counts each token's text, as vLLM's does)."""
+    echo = body.echo and first
+    text = echo_text(engine, prompt) if echo else ""
+    tokens: list[TokenLogprob] = []
+    if echo and body.logprobs is not None:
+        tokens += convert_logprobs(engine, prompt.prompt_token_ids, prompt.prompt_logprobs, body.logprobs)
+    if not body.scores_only:
+        text += completion.text
+        if body.logprobs is not None:
+            tokens += convert_logprobs(engine, completion.token_ids, completion.logprobs, body.logprobs)
+    logprobs = completion_logprobs(tokens, offset) if body.logprobs is not None else None
+    return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=completion.finish_reason)

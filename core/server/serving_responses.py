@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from hookllm.engine.async_llm import EngineDeadError, EngineStepError
-from hookllm.server.errors import OpenAIError, engine_error
+from hookllm.server.errors import OpenAIError, engine_error, error_responses, generation_responses
 from hookllm.server.protocol import ChatCompletionRequest, ChatResponseMessage, DeltaMessage, SamplingFields
 from hookllm.server.protocol_responses import (ContentPartEvent, FunctionCallArgumentsDelta, FunctionCallArgumentsDone,
                                                HostedTool, IncompleteDetails, InputFunctionCall,
@@ -71,7 +71,8 @@ RESPONSES_PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": 
 CHAT_ROLES = {"developer": "system"}  # chat templates know system messages; developer is their newer name
 
 
-@router.post("/v1/responses", response_model=None)
+@router.post("/v1/responses", response_model=None, responses=generation_responses(
+    ResponseObject, "typed events (`response.created`, ..., `response.completed`)"))
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state = server_state(request)
     check_supported(state, body)
@@ -86,9 +87,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     return await until_disconnect(request, run())
 
 
-@router.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], response_model=None)
-@router.get("/v1/responses/{response_id}/input_items", response_model=None)
-@router.post("/v1/responses/{response_id}/cancel", response_model=None)
+@router.get("/v1/responses/{response_id}", response_model=None, responses=error_responses(404))
+@router.delete("/v1/responses/{response_id}", response_model=None, responses=error_responses(404))
+@router.get("/v1/responses/{response_id}/input_items", response_model=None, responses=error_responses(404))
+@router.post("/v1/responses/{response_id}/cancel", response_model=None, responses=error_responses(404))
 async def stored_response(response_id: str) -> NoReturn:
     """A stored response's routes: none is ever stored, so each one is not found."""
     raise OpenAIError(404, f"no response {response_id!r}: this server does not store responses",

@@ -18,8 +18,9 @@ from hookllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError
 from hookllm.outputs import RequestOutput
 from hookllm.sampling_params import SamplingParams
 from hookllm.server.errors import OpenAIError, engine_error
-from hookllm.server.metrics import ServerMetrics
-from hookllm.server.protocol import IGNORED_FIELDS, ChatCompletionRequest, SamplingFields, TokenizeRequest
+from hookllm.server.metrics import ServerMetrics, request_arrival
+from hookllm.server.protocol import (IGNORED_FIELDS, UNSUPPORTED_FIELDS, ChatCompletionRequest, SamplingFields,
+                                     TokenizeRequest)
 from hookllm.server.streaming import start_streams, tracked
 
 
@@ -35,6 +36,9 @@ class ServerSettings:
     # The installed plugins' flags (their add_cli_options dests) with serve's values: each request's
     # extra_args start from them, and a body may set each as a top-level field.
     plugin_options: dict[str, Any] = field(default_factory=dict)
+    # --chat-template's template: chats whose request gives none render with it, not the tokenizer's.
+    chat_template: str | None = None
+    log_requests: bool = False  # --enable-log-requests: each request's end, at debug level
 
 
 @dataclass
@@ -53,7 +57,7 @@ class ServerState:
         if requested is None or requested in names:
             return names[0]
         raise OpenAIError(404, f"the model {requested!r} does not exist; served: {', '.join(names)}",
-                          "NotFoundError", "model", "model_not_found")
+                          param="model", code="model_not_found")
 
     def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The body's ``SamplingParams``; a value they refuse, or a field the server does not know,
@@ -67,7 +71,8 @@ class ServerState:
 
     def extra_args(self, body: BaseModel) -> dict[str, Any]:
         """The request's ``SamplingParams.extra_args``: the server's plugin flags, overridden by the
-        plugin options the body sets as top-level fields, overridden by its ``extra_args`` field.
+        plugin options the body sets as top-level fields, overridden by its ``extra_args`` field
+        (or vLLM's name for it, ``vllm_xargs``).
         Any other field its model does not declare goes through ``check_ignored`` (a 400 unless
         harmless), so that none is silently dropped."""
         options = {}
@@ -76,7 +81,8 @@ class ServerState:
                 options[name] = value
             else:
                 check_ignored(name, value)
-        return {**self.settings.plugin_options, **options, **(getattr(body, "extra_args", None) or {})}
+        return {**self.settings.plugin_options, **options, **(getattr(body, "vllm_xargs", None) or {}),
+                **(getattr(body, "extra_args", None) or {})}
 
     async def start(self, prompts: list[Any], params: SamplingParams,
                     base_id: str) -> list[AsyncIterator[RequestOutput]]:
@@ -86,10 +92,11 @@ class ServerState:
         vLLM's server (the offline API caps ``max_tokens`` instead). Text prompts are tokenized
         for that here and sent with their token ids, so the engine does not tokenize them again.
         """
+        arrival = request_arrival()  # the HTTP request's: its tokenizing and queueing count in its latencies
         if params.max_tokens is not None:
             prompts = [await self._fitted(prompt, params.max_tokens, i) for i, prompt in enumerate(prompts)]
-        gens = [tracked(self.engine, self.metrics, prompt, params, f"{base_id}-{i}")
-                for i, prompt in enumerate(prompts)]
+        gens = [tracked(self.engine, self.metrics, prompt, params, f"{base_id}-{i}", arrival,
+                        self.settings.log_requests) for i, prompt in enumerate(prompts)]
         try:
             return await start_streams(gens)
         except (ValueError, EngineStepError, EngineDeadError) as exc:
@@ -107,9 +114,11 @@ class ServerState:
         return prompt
 
     async def render_chat(self, body: ChatCompletionRequest | TokenizeRequest, **kwargs: Any) -> dict[str, Any]:
-        """``body.messages`` through the model's chat template (``kwargs``: ``engine.render_chat``'s)."""
+        """``body.messages`` through the chat template (``kwargs``: ``engine.render_chat``'s): the
+        request's own, else the server's ``--chat-template``, else the tokenizer's."""
+        template = kwargs.pop("chat_template", None) or self.settings.chat_template
         try:
-            return await self.engine.render_chat(self._conversation(body), **kwargs)
+            return await self.engine.render_chat(self._conversation(body), chat_template=template, **kwargs)
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="messages") from None
 
@@ -147,8 +156,15 @@ class ServerState:
 
 def check_ignored(name: str, value: Any) -> None:
     """A body field that neither the request model nor a plugin declares: accepted (and ignored)
-    when null or one of ``IGNORED_FIELDS`` with a value it takes; otherwise a 400 naming it."""
+    when null, one of ``IGNORED_FIELDS`` with a value it takes, or one of ``UNSUPPORTED_FIELDS``
+    with the value that asks for nothing; otherwise a 400 naming it."""
     if value is None:
+        return
+    if name in UNSUPPORTED_FIELDS:
+        accepted, reason = UNSUPPORTED_FIELDS[name]
+        if value != accepted:
+            raise OpenAIError(400, f"{name}: {json.dumps(value)} is not supported ({reason}; accepted only as "
+                              f"{json.dumps(accepted)})", param=name)
         return
     if name not in IGNORED_FIELDS:
         raise OpenAIError(400, f"unknown field {name!r}: this server does not support it", param=name)

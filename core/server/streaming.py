@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable
 
@@ -21,21 +22,27 @@ from hookllm.outputs import CompletionOutput, RequestOutput
 from hookllm.sampling_params import SamplingParams
 from hookllm.server.errors import engine_error
 from hookllm.server.metrics import RequestTimer, ServerMetrics
-from hookllm.server.protocol import ErrorInfo, ErrorResponse
+from hookllm.server.protocol import ErrorInfo, ErrorResponse, StreamOptions, UsageInfo
+
+logger = logging.getLogger(__name__)
 
 
 async def tracked(engine: AsyncLLM, metrics: ServerMetrics, prompt: Any, params: SamplingParams,
-                  request_id: str) -> AsyncIterator[RequestOutput]:
-    """``engine.generate`` with its metrics recorded (tokens, TTFT, TPOT, finish reason)."""
+                  request_id: str, arrival: float, log_requests: bool = False) -> AsyncIterator[RequestOutput]:
+    """``engine.generate`` with its metrics recorded (tokens; TTFT, TPOT and end-to-end latency
+    from ``arrival``, the HTTP request's; finish reason); with ``log_requests``, its end logged
+    (debug level: ``hookllm serve --enable-log-requests --log-level debug``)."""
     timer: RequestTimer | None = None
     reason = "abort"
     try:
         async for output in engine.generate(prompt, params, request_id):
-            if timer is None:
-                timer = RequestTimer(metrics, len(output.prompt_token_ids))
-            timer.tokens(sum(len(completion.token_ids) for completion in output.outputs))  # n > 1: several
             if output.finished:
                 reason = output.outputs[0].finish_reason or "stop"
+            if timer is None:
+                timer = RequestTimer(metrics, arrival, len(output.prompt_token_ids))
+            # n > 1: several completions' tokens. An abort's output ends nothing a client waited for.
+            timer.output(sum(len(completion.token_ids) for completion in output.outputs),
+                         output.finished and reason != "abort")
             yield output
     except EngineStepError:
         reason = "error"
@@ -43,6 +50,10 @@ async def tracked(engine: AsyncLLM, metrics: ServerMetrics, prompt: Any, params:
     finally:
         if timer is not None or reason == "error":
             metrics.request_finished(reason)
+        if log_requests and timer is not None:
+            logger.debug("request %s finished (%s): %d prompt tokens, %d output tokens, %.3f s, first token "
+                         "after %s", request_id, reason, timer.num_prompt_tokens, timer.num_tokens, timer.latency,
+                         "-" if timer.first_token_latency is None else f"{timer.first_token_latency:.3f} s")
 
 
 async def start_streams(gens: list[AsyncIterator[RequestOutput]]) -> list[AsyncIterator[RequestOutput]]:
@@ -111,6 +122,7 @@ class Result:
 
     prompt: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Any] | None] | None = None  # when asked for
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Any]] = field(default_factory=list)
@@ -120,6 +132,7 @@ class Result:
     def add(self, output: RequestOutput, completion: CompletionOutput) -> None:
         if output.prompt_token_ids:
             self.prompt, self.prompt_token_ids = output.prompt, output.prompt_token_ids
+            self.prompt_logprobs = output.prompt_logprobs
         self.text += completion.text
         self.token_ids += completion.token_ids
         self.logprobs += completion.logprobs or []
@@ -139,6 +152,28 @@ async def gather(gens: list[AsyncIterator[RequestOutput]], n: int = 1) -> list[R
     except (EngineStepError, EngineDeadError) as exc:
         raise engine_error(exc) from None
     return results
+
+
+@dataclass
+class StreamUsage:
+    """A stream's token counts so far, as ``stream_options`` asks for them: ``usage`` on every
+    chunk with ``continuous_usage_stats``, a last chunk of it with ``include_usage``."""
+
+    options: StreamOptions | None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def so_far(self) -> UsageInfo | None:
+        """The usage a chunk carries (None: none)."""
+        if self.options is None or not self.options.continuous_usage_stats:
+            return None
+        return UsageInfo.of(self.prompt_tokens, self.completion_tokens)
+
+    def final(self) -> UsageInfo | None:
+        """The last chunk's usage (None: no such chunk)."""
+        if self.options is None or not self.options.include_usage:
+            return None
+        return UsageInfo.of(self.prompt_tokens, self.completion_tokens)
 
 
 async def until_disconnect(request: Request, handler: Awaitable[Response]) -> Response:

@@ -8,7 +8,8 @@ constrained, and how each reply is parsed (:func:`chat_tools`).
 - ``"auto"``: the model decides; the template gets the tools and the server's
   ``--tool-call-parser`` finds the calls in each reply (without one, a 400);
 - ``"required"`` and a named function ``{"type": "function", "function": {"name": ...}}``: the
-  output is constrained with structured output (the ``structured`` plugin), so the calls always
+  output is constrained to a JSON schema by an active plugin whose structured output backend
+  enforces ``json`` (``register_structured_output_backends``), so the calls always
   exist and their arguments validate against the functions' schemas, on any model (unless
   ``max_tokens`` cuts the reply short). A named
   function's reply is its arguments (the function's ``parameters`` schema); a required reply is
@@ -22,21 +23,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from hookllm.plugins.manager import PluginManager
 from hookllm.plugins.reasoning_parsers import ReasoningParser
 from hookllm.plugins.tool_parsers import JsonCallsParser, ParsedDelta, ToolCallDelta, ToolParser
 from hookllm.sampling_params import SamplingParams, StructuredOutputsParams
 from hookllm.server.errors import OpenAIError
 from hookllm.server.protocol import ChatCompletionRequest, ChatTool
-from hookllm.server.reply_parsing import ReplyParser, installed_plugins, reasoning_parser_class, tool_parser_class
+from hookllm.server.reply_parsing import ReplyParser, reasoning_parser_class, tool_parser_class
 
 if TYPE_CHECKING:
     from hookllm.server.state import ServerState
 
-STRUCTURED_PLUGIN = "structured"
+# The structured_outputs kind these choices need of a plugin's backend: a JSON schema.
+JSON_SCHEMA = "json"
 # The constrained JSON's layout (llguidance's options): on one line, with json.dumps' separators,
 # as models are trained to write it (free whitespace would let a weak model pad it without end).
 JSON_LAYOUT = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
@@ -143,14 +145,15 @@ def _describe(choice: Any) -> str:
 
 
 def _check_enforced(state: ServerState, choice: Any) -> None:
-    """A 400 unless an active plugin enforces ``structured_outputs``, which the choice needs."""
+    """A 400 unless an active plugin's structured output backend enforces JSON schemas, which the choice needs."""
     hooks = state.engine.hooks
-    if not any("structured_outputs" in info.parameters.sampling_params and info.name in hooks.active_names
+    if not any(info.name in hooks.active_names and JSON_SCHEMA in info.structured_output_kinds()
                for info in hooks.loaded):
         raise OpenAIError(400, f"tool_choice {_describe(choice)} is enforced with structured output, which no "
                           "active plugin provides: install llguidance (pip install 'hookllm[structured]'; "
-                          "hookllm serve then activates the structured plugin) or start the server with "
-                          "--plugin structured", param="tool_choice")
+                          "hookllm serve then activates the bundled structured plugin), or a plugin with a "
+                          "structured output backend for JSON schemas (hookllm plugins lists them)",
+                          param="tool_choice")
 
 
 def _required_schema(tools: list[ChatTool], max_calls: int | None) -> dict[str, Any]:
@@ -176,12 +179,13 @@ def _required_schema(tools: list[ChatTool], max_calls: int | None) -> dict[str, 
     return schema
 
 
-def with_structured_plugin(plugins: list[str]) -> list[str]:
-    """``hookllm serve``'s plugins: ``plugins``, and the bundled ``structured`` plugin when
-    llguidance is installed, for ``tool_choice`` "required" and named functions (and
-    ``response_format``). Requests without a constraint pay nothing for it: its per-step hook
-    returns at once when no request in the batch is constrained."""
-    info = installed_plugins().plugins.get(STRUCTURED_PLUGIN)
-    if STRUCTURED_PLUGIN in plugins or info is None or info.error or importlib.util.find_spec("llguidance") is None:
+def with_json_schema_plugin(plugins: list[str], installed: PluginManager) -> list[str]:
+    """``hookllm serve``'s plugins: ``plugins``, and unless one of them enforces JSON schemas, the
+    first by name of the ``installed`` plugins that do (their structured output backends say
+    so), for ``tool_choice`` "required" and named functions (and ``response_format``). Requests
+    without a constraint should pay nothing for it (the bundled plugin's per-step hook returns at
+    once when no request in the batch is constrained)."""
+    capable = installed.structured_output_plugins(JSON_SCHEMA)
+    if not capable or any(name in capable for name in plugins):
         return plugins
-    return [*plugins, STRUCTURED_PLUGIN]
+    return [*plugins, capable[0]]

@@ -45,7 +45,8 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connec
         if config.custom_all_reduce and cuda:
             init_custom_all_reduce(device)
         worker = Worker.from_config(replace(config, device=str(device)))
-        conn.send(("ready", (worker.num_kv_blocks, worker.num_host_blocks, worker.kv_cache_groups)))
+        conn.send(("ready", (worker.num_kv_blocks, worker.num_host_blocks, worker.kv_cache_groups,
+                             worker.startup_seconds, worker.quantization_summary)))
         sender = _ResultSender(conn) if rank == 0 else None
         previous = None
         while True:
@@ -152,10 +153,12 @@ class MultiprocWorkers:
         except BaseException:
             self.shutdown()
             raise
-        device_blocks, host_blocks, groups = zip(*ready)
+        device_blocks, host_blocks, groups, startup_seconds, quantization = zip(*ready)
         # Every rank holds its shard of each block (device and host): the smallest cache bounds all.
         self.num_kv_blocks, self.num_host_blocks = min(device_blocks), min(host_blocks)
         self.kv_cache_groups = groups[0]  # alike on every rank: the same layers, each with its shard of the heads
+        # For the engine's start-up summary: rank 0's, as every rank builds the same.
+        self.startup_seconds, self.quantization_summary = startup_seconds[0], quantization[0]
 
     def execute(self, scheduler_output: SchedulerOutput, previous: Any = None) -> RemoteStepOutput | None:
         """Send the step to every rank. A step that schedules nothing returns None, like a local

@@ -12,7 +12,7 @@ to the first requests, all of this lands in their time to first token.
 The warm-up runs, once, steps that meet each of these: prefills of every power-of-two length,
 chunks after cached context next to a decode, decodes at every batch size (each CUDA graph
 bucket, and eager beyond the largest) and at power-of-two contexts, and each sampler path at
-both alignments of its parameter table.
+every alignment of its parameter table.
 The synthetic requests read and write KV blocks the block manager never lent (their contents
 are never read by a real request before it writes them), are dropped from the runner at the
 end, and the engine's sampling generator is restored, so the engine is as it was.
@@ -52,9 +52,11 @@ SAMPLER_PATHS = (
                    logit_bias={0: 1.0}),
 )
 PROMPT_LOGPROBS = SamplingParams(temperature=0.0, prompt_logprobs=5)
-# The sampler's float32 table holds one row per parameter, each as long as the batch: with a
-# multiple of 4 rows every parameter row starts 16-byte aligned, with 1 none but the first.
-SAMPLER_ALIGNED_ROWS = 4
+# The sampler's float32 table holds one row per parameter, each as long as the batch, so parameter
+# row k starts 16-byte aligned when k * batch is a multiple of 4 (Triton compiles each alignment
+# pattern apart): batches of 1, 2 and 4 rows meet every pattern (an odd batch aligns only the
+# first row, 2 mod 4 every other row, a multiple of 4 all of them).
+SAMPLER_BATCH_SIZES = (1, 2, 4)
 
 
 @dataclass(frozen=True)
@@ -101,10 +103,9 @@ def warmup_steps(max_num_batched_tokens: int, max_model_len: int, block_size: in
     steps += [Step((decode,) * n, then_decode=context + 2 <= longest) for n in decode_sizes if n <= budget]
     # One decode at sequence lengths 2^k: eager attention cuts longer contexts into more key ranges.
     steps += [Step((Row(length - 1, 1, GREEDY),)) for length in doubling(2 * block_size, longest)]
-    # The sampler's paths, each alone in a step of one row and of SAMPLER_ALIGNED_ROWS rows (the
-    # parameter table's rows then start 16-byte aligned, which Triton compiles apart), then all
-    # in one batch; prompt logprobs.
-    steps += [Step((Row(context, 1, params),) * rows) for params in SAMPLER_PATHS for rows in (1, SAMPLER_ALIGNED_ROWS)]
+    # The sampler's paths, each alone in steps of SAMPLER_BATCH_SIZES rows (every alignment of its
+    # parameter table), then all in one batch; prompt logprobs.
+    steps += [Step((Row(context, 1, params),) * rows) for params in SAMPLER_PATHS for rows in SAMPLER_BATCH_SIZES]
     steps.append(Step(tuple(Row(context, 1, params) for params in SAMPLER_PATHS)))
     steps.append(Step((Row(0, min(block_size, longest), PROMPT_LOGPROBS),)))
     return steps

@@ -141,7 +141,9 @@ class Worker:
         if config.warmup and self.device.type == "cuda":
             warm_up(self)
             phase("warmup")
-        logger.info("start-up: %s", ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_seconds.items()))
+        # The engine's start-up summary reports these (hookllm.engine.llm_engine); under tensor
+        # parallelism every rank has its own.
+        logger.debug("start-up: %s", ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_seconds.items()))
 
     def _phase_timer(self) -> Callable[[str], None]:
         """A function that records the seconds since its last call (or since now) under a name,
@@ -155,6 +157,12 @@ class Worker:
             self.startup_seconds[name], last[0] = now - last[0], now
 
         return phase
+
+    @property
+    def quantization_summary(self) -> str:
+        """The quantization method and the numeric path its layers run (its ``describe()``), or "none"."""
+        method = self.model_config.quantization
+        return method.describe() if method is not None else "none"
 
     @property
     def warmup_seconds(self) -> float | None:

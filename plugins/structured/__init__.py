@@ -5,7 +5,9 @@ A request asks with ``SamplingParams(structured_outputs=StructuredOutputsParams(
 ``extra_args={"structured_outputs": {...}}``; select the plugin with ``--plugin structured`` /
 ``LLM(plugins=["structured"])``. It claims the ``structured_outputs`` parameter
 (``claim_request_parameters``), so a request carrying it without the plugin active is refused
-naming it. Four ordinary hooks do the work:
+naming it. When llguidance is installed it registers the ``llguidance`` structured output
+backend, for every kind (``register_structured_output_backends``): ``hookllm serve`` finds it
+that way, for ``tool_choice``. Four ordinary hooks do the work:
 
 - ``preprocess_request`` compiles and validates the constraint against the engine's tokenizer
   when the request is added (a bad schema or regex is a ``ValueError`` there) and replaces it,
@@ -24,23 +26,55 @@ behind it on one GIL. What the engine side keeps (the constrained requests, the 
 buffers) is per engine, in the engine's context (``backend.engine_state``).
 
 llguidance is imported inside the hooks (``hookllm.plugins.structured.backend``), so listing or
-loading the plugin never needs it.
+loading the plugin never needs it. An installed llguidance older than ``LLGUIDANCE_MIN_VERSION``
+fails the plugin's load, naming the version it needs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import importlib.util
 from typing import Any
+
+from packaging.version import Version
 
 from hookllm.plugins.context import RequestParameters
 from hookllm.plugins.hookspecs import hookimpl
+from hookllm.sampling_params import STRUCTURED_KINDS
 
 COMPILED_KEY = "_structured_outputs_compiled"  # extra_args key the compiled grammar travels under
+# The first llguidance whose LLTokenizer takes a list of EOS tokens (``eos_token=[...]``,
+# ``.eos_tokens``); older ones fail on it at the first constrained request. pyproject.toml's
+# ``structured`` extra names the same floor (tests/test_dependency_bounds.py checks).
+LLGUIDANCE_MIN_VERSION = "1.7.0"
+
+
+def check_llguidance_version() -> None:
+    """Refuse an installed llguidance older than the backend needs, when the plugin loads rather
+    than at the first constrained request. Without llguidance the plugin still loads (and
+    registers no backend)."""
+    try:
+        installed = importlib.metadata.version("llguidance")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    if Version(installed) < Version(LLGUIDANCE_MIN_VERSION):
+        raise ImportError(f"the structured plugin needs llguidance>={LLGUIDANCE_MIN_VERSION}, but {installed} is "
+                          f"installed: pip install -U 'llguidance>={LLGUIDANCE_MIN_VERSION}'")
+
+
+check_llguidance_version()
 
 
 @hookimpl
 def claim_request_parameters() -> RequestParameters:
     return RequestParameters(sampling_params=("structured_outputs",))
+
+
+@hookimpl
+def register_structured_output_backends() -> dict[str, tuple[str, ...]] | None:
+    # Found, not imported: listing the plugin never imports llguidance.
+    return {"llguidance": STRUCTURED_KINDS} if importlib.util.find_spec("llguidance") is not None else None
 
 
 @hookimpl
