@@ -9,6 +9,7 @@ and ``n > 1`` groups are the output processor's, which asks the core to abort wh
 from __future__ import annotations
 
 import gc
+import weakref
 from collections import deque
 from typing import Any
 
@@ -87,9 +88,13 @@ class EngineCore:
             async_scheduling = resolve_device(config.device).type == "cuda"
         self.max_in_flight = 1 if async_scheduling else 0
         # What exists now (model, tokenizer, plugins) lives as long as the engine: move it out of
-        # the garbage collector's sight, or each full collection walks it all, mid-step.
+        # the garbage collector's sight, or each full collection walks it all, mid-step. Frozen
+        # objects are never collected, so they go back to the collector when this engine core is
+        # dropped: its model's reference cycles (GPU memory and all) are then freed by the next
+        # collection instead of outliving it, and an engine built after it finds the memory free.
         gc.collect()
         gc.freeze()
+        weakref.finalize(self, gc.unfreeze)
 
     @property
     def eos_token_ids(self) -> set[int]:
