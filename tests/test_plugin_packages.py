@@ -75,7 +75,7 @@ def greedy_tokens(llm: LLM, params: SamplingParams) -> list[int]:
 def test_plugins_lists_packages_with_version_hooks_and_architectures(capsys):
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
-    assert "gpt2 (hookllm-gpt2 0.1.0)\n  hooks:         register_models\n  architectures: GPT2LMHeadModel\n" in out
+    assert re.search(r"gpt2 \(hookllm-gpt2 0\.1\.0\)\n  hooks: +register_models\n  architectures: +GPT2LMHeadModel\n", out)
     assert re.search(r"logit-bias \(hookllm-logit-bias 0\.1\.0\)\n  hooks: +add_cli_options, add_routes, "
                      r"claim_request_parameters,\s+process_logits\n", out)
 
@@ -83,16 +83,19 @@ def test_plugins_lists_packages_with_version_hooks_and_architectures(capsys):
 def test_plugins_json_lists_packages_with_version_hooks_and_architectures(capsys):
     assert main(["plugins", "--json"]) == 0
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    nothing_registered = {"architectures": [], "tool_parsers": [], "reasoning_parsers": [],
+                          "quantization_methods": [], "structured_output_backends": []}
     assert rows["gpt2"] == {"name": "gpt2", "distribution": "hookllm-gpt2", "version": "0.1.0",
-                            "hooks": ["register_models"], "architectures": ["GPT2LMHeadModel"], "error": None}
+                            "hooks": ["register_models"], **nothing_registered,
+                            "architectures": ["GPT2LMHeadModel"], "error": None}
     assert rows["logit-bias"] == {"name": "logit-bias", "distribution": "hookllm-logit-bias", "version": "0.1.0",
                                   "hooks": ["add_cli_options", "add_routes", "claim_request_parameters", "process_logits"],
-                                  "architectures": [],
-                                  "error": None}
+                                  **nothing_registered, "error": None}
     assert rows["structured"] == {"name": "structured", "distribution": "hookllm", "version": "0.1.0",
-                                  "hooks": ["claim_request_parameters", "preprocess_request", "request_finished",
+                                  "hooks": ["claim_request_parameters", "preprocess_request",
+                                            "register_structured_output_backends", "request_finished",
                                             "start_logits_job", "worker_shutdown"],
-                                  "architectures": [], "error": None}
+                                  **nothing_registered, "structured_output_backends": ["llguidance"], "error": None}
 
 
 def test_gpt2_adapter_matches_transformers(gpt2_dir):

@@ -173,3 +173,17 @@ def test_documented_request_schema_refuses_what_the_server_refuses(document, ser
     valid = jsonschema.Draft202012Validator({"$ref": reference, **document}).is_valid(body)
     answer = httpx.post(server.url + path, json=body, timeout=30)
     assert answer.status_code == (200 if valid else 400), answer.text
+
+
+@pytest.mark.parametrize("prompt, param, problem", [
+    ([], "prompt", "List should have at least 1 item"),
+    ([[1], [-2]], "prompt.1.0", "Input should be greater than or equal to 0"),
+], ids=["empty-list", "negative-token-id"])
+def test_a_prompt_that_no_form_of_it_takes_is_a_400_naming_what_is_wrong(server, prompt, param, problem):
+    """A value every member of ``prompt``'s union refuses: the error is the member of its type's
+    (a list too short, not "Input should be a valid string"), its param the body's path."""
+    answer = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=30)
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["param"] == param
+    assert error["message"].startswith(f"{param}: {problem}")

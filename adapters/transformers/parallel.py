@@ -12,11 +12,16 @@ allocates, and reads from the checkpoint, only its part:
   o_proj by input features; transformers' attention modules reshape with ``-1`` heads, so they
   run on this rank's heads, and the probe (:func:`.attention.probe`, run after this) records
   those counts for the paged KV cache.
-- Stacked MoE expert parameters, ``[experts, out, in]``: ``packed_colwise`` splits the gate half
+- Stacked MoE expert parameters, ``[experts, out, in]``, in either of the two ways transformers
+  has planned them. Its tensor-parallel plan (up to 5.24): ``packed_colwise`` splits the gate half
   and the up half of ``gate_up_proj`` each, ``colwise`` the output features, ``rowwise`` the input
-  features. Each rank then runs its slice of every expert's intermediate features; transformers'
-  experts code reads sizes from the tensors, so it runs on the slices as they are, and
-  ``moe_tp_experts`` on the experts module sums the partial outputs over the ranks.
+  features; each rank runs its slice of every expert's intermediate features (transformers'
+  experts code reads sizes from the tensors) and ``moe_tp_experts`` on the experts module sums the
+  partial outputs over the ranks. Its expert-parallel plan (``base_model_ep_plan``, from 5.25,
+  applied where the tensor-parallel plan leaves the experts alone): ``grouped_gemm`` keeps this
+  rank's whole experts, and ``ep_dispatch_experts`` on the experts module hands them only the
+  tokens routed to them (the others get the experts code's "no expert" id, ``num_experts``, and
+  weight 0) and sums the outputs over the ranks, as transformers' own all-reduce dispatch does.
 - Styles under which a module's output is whole on every rank keep the module whole: replicated
   norms, embeddings (and the LM head, which the base model's plan does not name: every rank
   computes full logits, as hookllm's runner expects), and the ``*_gather_output`` /
@@ -51,19 +56,24 @@ from hookllm.layers.linear import LoadedWeight, check_loaded_shape, narrow_loade
 WHOLE_STYLES = frozenset({"replicate", "replicated_with_grad_allreduce", "embedding_rowwise", "embedding_colwise",
                           "colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep"})
 PARALLEL_LINEARS: dict[str, type[nn.Module]] = {"colwise": ColumnParallelLinear, "rowwise": RowParallelLinear}
-EXPERTS_STYLE = "moe_tp_experts"
+FEATURE_EXPERTS_STYLE = "moe_tp_experts"
+DISPATCH_EXPERTS_STYLE = "ep_dispatch_experts"
+EXPERTS_STYLES = frozenset({FEATURE_EXPERTS_STYLE, DISPATCH_EXPERTS_STYLE})
 
 
 @dataclass(frozen=True)
 class ExpertSplit:
     """How a style splits a stacked expert parameter ``[experts, out, in]``: along ``dim``, each
-    of its ``blocks`` packed projections (gate and up: 2) separately."""
+    of its ``blocks`` packed projections (gate and up: 2) separately; ``module_style`` is the
+    style its experts module needs to combine the ranks' parts."""
 
     dim: int
     blocks: int = 1
+    module_style: str = FEATURE_EXPERTS_STYLE
 
 
-EXPERT_SPLITS = {"colwise": ExpertSplit(1), "packed_colwise": ExpertSplit(1, blocks=2), "rowwise": ExpertSplit(2)}
+EXPERT_SPLITS = {"colwise": ExpertSplit(1), "packed_colwise": ExpertSplit(1, blocks=2), "rowwise": ExpertSplit(2),
+                 "grouped_gemm": ExpertSplit(0, module_style=DISPATCH_EXPERTS_STYLE)}
 
 
 def shard(model: nn.Module) -> None:
@@ -74,7 +84,9 @@ def shard(model: nn.Module) -> None:
         return
     name = type(model).__name__
     base = model.base_model
-    styles = _planned_styles(base, _plan(model, name))
+    expert_plan = getattr(model.config, "base_model_ep_plan", None) or {}
+    # The tensor-parallel plan's style wins where both plans name a module or parameter.
+    styles = {**_planned_styles(base, expert_plan), **_planned_styles(base, _plan(model, name))}
     _check_styles(name, styles)
     _check_heads(name, model.config, size)
     for path, style in styles.items():
@@ -83,8 +95,8 @@ def shard(model: nn.Module) -> None:
         module = _module_at(base, path)
         if module is None:
             _split_expert_parameter(name, base, path, styles, size)
-        elif style == EXPERTS_STYLE:
-            _sum_over_ranks(name, module, path, styles)
+        elif style in EXPERTS_STYLES:
+            _combine_over_ranks(name, module, path, style, styles, size)
         else:
             _replace_linear(name, base, path, style, size)
 
@@ -113,7 +125,7 @@ def _plan(model: nn.Module, name: str) -> dict[str, str]:
 def _check_styles(name: str, styles: dict[str, str]) -> None:
     """Refuse a style the backend lacks, and a plan that keeps every weight whole (each rank
     would hold and compute the whole model)."""
-    splitting = set(PARALLEL_LINEARS) | set(EXPERT_SPLITS) | {EXPERTS_STYLE}
+    splitting = set(PARALLEL_LINEARS) | set(EXPERT_SPLITS) | EXPERTS_STYLES
     for path, style in styles.items():
         if style not in splitting | WHOLE_STYLES:
             raise Unsupported(f"{name}: its tensor-parallel plan gives {path} the style {style!r}, which the "
@@ -160,13 +172,14 @@ def _split_expert_parameter(name: str, base: nn.Module, path: str, styles: dict[
     if style not in EXPERT_SPLITS or param.dim() != 3:
         raise Unsupported(f"{name}: its tensor-parallel plan gives the parameter {path} {tuple(param.shape)} the "
                           f"style {style!r}; the transformers backend splits stacked expert parameters "
-                          "[experts, out, in] colwise, packed_colwise or rowwise only")
-    if styles.get(owner_path) != EXPERTS_STYLE:
-        raise Unsupported(f"{name}: its tensor-parallel plan splits {path} but does not sum the output of "
-                          f"{owner_path} over the ranks (moe_tp_experts)")
+                          "[experts, out, in] colwise, packed_colwise, rowwise or grouped_gemm only")
     split, full = EXPERT_SPLITS[style], tuple(param.shape)
+    if styles.get(owner_path) != split.module_style:
+        raise Unsupported(f"{name}: its tensor-parallel plan splits {path} but does not sum the output of "
+                          f"{owner_path} over the ranks ({split.module_style})")
     block = full[split.dim] // split.blocks
-    _check_divisible(name, f"{path} has {block} features along dim {split.dim}"
+    counted = "experts" if split.dim == 0 else f"features along dim {split.dim}"
+    _check_divisible(name, f"{path} has {block} {counted}"
                      + (f" in each of its {split.blocks} packed blocks" if split.blocks > 1 else ""), block, size)
     local = full[:split.dim] + (full[split.dim] // size,) + full[split.dim + 1:]
     part = nn.Parameter(torch.empty(local, dtype=param.dtype, device="meta"), requires_grad=False)
@@ -174,20 +187,48 @@ def _split_expert_parameter(name: str, base: nn.Module, path: str, styles: dict[
     base.get_submodule(owner_path)._parameters[param_name] = part
 
 
-def _sum_over_ranks(name: str, experts: nn.Module, path: str, styles: dict[str, str]) -> None:
-    """All-reduce the output of the experts module at ``path``: each rank computed every
-    expert's output from its slice of the intermediate features, a partial sum. Every parameter
-    of the module must be split: a whole one (a bias) would be added once per rank."""
+def _combine_over_ranks(name: str, experts: nn.Module, path: str, style: str, styles: dict[str, str],
+                        size: int) -> None:
+    """All-reduce the output of the experts module at ``path``: each rank computed a partial sum,
+    from its slice of every expert's features or from its own experts. Every parameter of the
+    module must be split the way ``style`` combines: a whole one (a bias) would be added once per
+    rank."""
     whole = [f"{path}.{param}" for param, _ in experts.named_parameters()
-             if styles.get(f"{path}.{param}") not in EXPERT_SPLITS]
+             if getattr(EXPERT_SPLITS.get(styles.get(f"{path}.{param}")), "module_style", None) != style]
     if whole:
         raise Unsupported(f"{name}: its tensor-parallel plan sums the output of {path} over the ranks "
-                          f"(moe_tp_experts) but leaves {whole[0]} whole, which would then count once per rank")
+                          f"({style}) but leaves {whole[0]} whole, which would then count once per rank")
+    if style == DISPATCH_EXPERTS_STYLE:
+        if not isinstance(getattr(experts, "num_experts", None), int):
+            raise Unsupported(f"{name}: its expert-parallel plan dispatches to {path} ({type(experts).__name__}), "
+                              "which has no num_experts to route by")
+        local = experts.num_experts // size
+        experts.register_forward_pre_hook(_LocalExpertRouting(get_tp_rank() * local, local), with_kwargs=True)
+        experts.num_experts = local
+        experts._is_expert_parallel = True  # transformers' batched experts code then skips the "no expert" id
     experts.register_forward_hook(_all_reduce_output)
 
 
 def _all_reduce_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
     return tensor_model_parallel_all_reduce(output)
+
+
+@dataclass(frozen=True)
+class _LocalExpertRouting:
+    """Before an experts module holding experts ``first .. first + count - 1`` runs: routes to
+    other ranks' experts become the id ``count`` ("no expert") with weight 0, the rest local ids.
+    transformers calls experts as ``(hidden_states, top_k_index, top_k_weights)``."""
+
+    first: int
+    count: int
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        inputs = dict(zip(("hidden_states", "top_k_index", "top_k_weights"), args)) | kwargs
+        index = inputs["top_k_index"]
+        elsewhere = (index < self.first) | (index >= self.first + self.count)
+        inputs["top_k_index"] = torch.where(elsewhere, self.count, index - self.first)
+        inputs["top_k_weights"] = inputs["top_k_weights"].masked_fill(elsewhere, 0.0)
+        return (), inputs
 
 
 @dataclass(frozen=True)
