@@ -90,7 +90,7 @@ class MaskTimer:
     def __init__(self):
         from hookllm.worker.batch import Batch
         from hookllm.worker.model_runner import StepOutput
-        from hookllm.plugins.structured import backend
+        from hookllm.bundled.structured import backend
 
         self.reset()
         run, apply, in_flight, finish = backend.MaskJob.run, backend.MaskJob.apply, Batch.in_flight_token_ids, \

@@ -180,7 +180,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.model is None:
-            from hookllm.default_model import default_model_dir
+            from hookllm.hub.default_model import default_model_dir
 
             self.model = str(default_model_dir())
         self.model = str(self.model)

@@ -312,7 +312,7 @@ def one_shot_all_reduce(x: torch.Tensor, peers, residual: torch.Tensor | None = 
     """Sum ``x`` ``[rows, hidden]`` over the ranks through their mapped buffers, in place, in rank
     order (float32, then the dtype: the same bits on every rank). With ``residual``: returns
     ``(norm(sum + residual), sum + residual)`` as :func:`rms_norm` does, the first in ``x``
-    itself, the second a new tensor. ``peers`` is a :class:`hookllm.custom_all_reduce.PeerMemory`; the ranks
+    itself, the second a new tensor. ``peers`` is a :class:`hookllm.distributed.custom_all_reduce.PeerMemory`; the ranks
     meet on its signal pads as the Triton kernel's program 0 does (a reference on the CPU: it
     spins in Python)."""
     rows, cols = x.shape
@@ -502,7 +502,7 @@ def _expert_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     return scaled_matmul(x, None, weight[expert], scale[expert], x.dtype, bias)
 
 
-# FP8 (e4m3): weights and activations as 8-bit floats with float32 scales (hookllm.plugins.fp8).
+# FP8 (e4m3): weights and activations as 8-bit floats with float32 scales (hookllm.bundled.fp8).
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
 # Smallest dynamic scale: an all-zero group quantizes to zeros instead of dividing by zero.

@@ -17,7 +17,7 @@ The epochs live on the device (one counter per program, advanced by the kernel i
 CUDA graph replays the kernel as it is. The grid never exceeds ``MAX_PROGRAMS``: every program
 spins on its counterparts, so all must be resident at once. Twin of
 :func:`hookllm.kernels.reference.one_shot_all_reduce`, the same signature; ``peers`` is a
-:class:`hookllm.custom_all_reduce.PeerMemory`.
+:class:`hookllm.distributed.custom_all_reduce.PeerMemory`.
 """
 
 from __future__ import annotations

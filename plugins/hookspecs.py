@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from hookllm.plugins.registry import ModelRegistry, ScopedRegistry
     from hookllm.sched.request import Request
     from hookllm.plugins.quantization import QuantizationMethod
-    from hookllm.plugins.reasoning_parsers import ReasoningParser
-    from hookllm.plugins.tool_parsers import ToolParser
+    from hookllm.plugins.reasoning_parser import ReasoningParser
+    from hookllm.plugins.tool_parser import ToolParser
 
 PROJECT_NAME = "hookllm"
 
@@ -289,7 +289,7 @@ def register_tool_parsers() -> dict[str, type[ToolParser]] | None:
     plugins register is refused). For ``tool_choice: "auto"`` the server makes one parser per
     reply, ``cls(tools)`` with the request's tool definitions (OpenAI's ``{"type": "function",
     "function": {...}}`` dicts), and feeds it the reply's text (after any reasoning section)
-    as it is generated. A :class:`hookllm.plugins.tool_parsers.ToolParser` turns text into
+    as it is generated. A :class:`hookllm.plugins.tool_parser.ToolParser` turns text into
     content and tool calls, holding back what may still become a call; subclass its building
     blocks ``TaggedToolParser`` (calls between markers) or ``JsonCallsParser`` (a reply of JSON
     call objects), as the bundled ``hermes`` and ``llama3_json`` do::
@@ -314,7 +314,7 @@ def register_reasoning_parsers() -> dict[str, type[ReasoningParser]] | None:
     Called on every installed plugin (selected or not): ``hookllm serve --reasoning-parser NAME``
     takes the parser named NAME from whichever installed plugin registers it. The server makes
     one parser per reply (``cls()``) and feeds it the reply's text as it is generated; a
-    :class:`hookllm.plugins.reasoning_parsers.ReasoningParser` splits it into
+    :class:`hookllm.plugins.reasoning_parser.ReasoningParser` splits it into
     ``reasoning_content`` and content (the content then goes to the tool parser, if any). The
     bundled ``qwen3`` and ``deepseek_r1`` are ``ThinkReasoningParser``s; one for other markers::
 

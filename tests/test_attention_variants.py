@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hookllm.forward_context import AttentionMetadata, set_forward_context
+from hookllm.worker.forward_context import AttentionMetadata, set_forward_context
 from hookllm.kernels import reference, triton_attention
 from hookllm.layers.attention import Attention
 

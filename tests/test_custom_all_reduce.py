@@ -1,4 +1,4 @@
-"""The one-shot all-reduce (``hookllm.custom_all_reduce``) on the CPU: two gloo ranks in spawned
+"""The one-shot all-reduce (``hookllm.distributed.custom_all_reduce``) on the CPU: two gloo ranks in spawned
 processes share their buffers through shared memory, and the Triton kernel (interpreted) and
 its torch reference give what gloo's all_reduce gives, fused with the residual and RMSNorm too,
 call after call on the same buffers."""
@@ -8,7 +8,7 @@ import torch
 
 import tp_helpers
 from hookllm import distributed, testing
-from hookllm.custom_all_reduce import DEFAULT_MAX_BYTES, CustomAllReduce
+from hookllm.distributed.custom_all_reduce import DEFAULT_MAX_BYTES, CustomAllReduce
 
 WORLD = 2
 PROMPTS = testing.random_prompts(2, 320, min_len=5, max_len=20, seed=3)

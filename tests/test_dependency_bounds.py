@@ -47,7 +47,7 @@ def test_a_package_listed_twice_with_two_floors_is_refused(tmp_path):
 
 
 def test_the_structured_plugins_llguidance_floor_is_pyprojects():
-    from hookllm.plugins.structured import LLGUIDANCE_MIN_VERSION
+    from hookllm.bundled.structured import LLGUIDANCE_MIN_VERSION
 
     floors = {minimums.floor(r) for r in minimums.requirements() if r.name == "llguidance"}
     assert floors == {LLGUIDANCE_MIN_VERSION}
@@ -58,7 +58,7 @@ def test_an_llguidance_below_the_floor_fails_the_structured_plugins_load_naming_
     # 1.6.1's LLTokenizer takes one EOS token, not the list the plugin passes.
     monkeypatch.setattr(importlib.metadata, "version",
                         lambda name: "1.6.1" if name == "llguidance" else real_version(name))
-    monkeypatch.delitem(sys.modules, "hookllm.plugins.structured")  # loaded afresh, then restored
+    monkeypatch.delitem(sys.modules, "hookllm.bundled.structured")  # loaded afresh, then restored
     monkeypatch.setenv("HOOKLLM_PLUGINS", "structured")
     installed = PluginManager(discover_plugins())
     with pytest.raises(ValueError, match=r"plugin 'structured' failed to load: ImportError: the structured plugin "

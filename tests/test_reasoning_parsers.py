@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from hookllm.plugins.reasoning_parsers import (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, ReasoningDelta,
-                                               ReasoningParser)
+from hookllm.bundled.reasoning_parsers import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+from hookllm.plugins.reasoning_parser import ReasoningDelta, ReasoningParser
 from hookllm.server.reply_parsing import installed_plugins
 
 

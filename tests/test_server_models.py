@@ -86,7 +86,7 @@ def test_default_smollm2_answers_paris(default_server):
 
 
 def test_default_model_is_served_by_its_short_name_not_its_cache_path(default_server):
-    from hookllm.default_model import MODEL_NAME, cache_dir
+    from hookllm.hub.default_model import MODEL_NAME, cache_dir
 
     models = httpx.get(default_server.url + "/v1/models").json()["data"]
     assert [(m["id"], m["root"]) for m in models] == [(MODEL_NAME, MODEL_NAME)]

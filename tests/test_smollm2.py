@@ -3,7 +3,7 @@
 import pytest
 
 from hookllm import LLM, SamplingParams, testing
-from hookllm.default_model import default_model_dir
+from hookllm.hub.default_model import default_model_dir
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -18,11 +18,11 @@ import torch
 
 from hookllm import LLM, SamplingParams, hookimpl
 from hookllm.worker.batch import Batch, CachedRequestState
-from hookllm.plugins.structured import COMPILED_KEY
+from hookllm.bundled.structured import COMPILED_KEY
 from hookllm.sampling_params import StructuredOutputsParams
 from hookllm.tokenizer import load_tokenizer
 
-backend = pytest.importorskip("hookllm.plugins.structured.backend")
+backend = pytest.importorskip("hookllm.bundled.structured.backend")
 
 PERSON = {
     "type": "object",

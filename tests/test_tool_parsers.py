@@ -11,10 +11,10 @@ import json
 import pytest
 
 from hookllm import hookimpl
+from hookllm.bundled.reasoning_parsers import Qwen3ReasoningParser
+from hookllm.bundled.tool_parsers import HermesToolParser, Llama3JsonToolParser
 from hookllm.plugins.manager import PluginInfo, PluginManager
-from hookllm.plugins.reasoning_parsers import Qwen3ReasoningParser
-from hookllm.plugins.tool_parsers import (HermesToolParser, Llama3JsonToolParser, ParsedDelta, ParsedReply,
-                                          ParsedToolCall, TaggedToolParser, ToolParser)
+from hookllm.plugins.tool_parser import ParsedDelta, ParsedReply, ParsedToolCall, TaggedToolParser, ToolParser
 from hookllm.server.reply_parsing import ReplyParser, installed_plugins
 from hookllm.server.tool_calling import NamedToolParser, RequiredToolParser
 

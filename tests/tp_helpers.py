@@ -14,7 +14,7 @@ from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from hookllm.config import load_hf_config
 from hookllm.distributed import cleanup_dist_env_and_memory, init_tensor_parallel
-from hookllm.forward_context import AttentionMetadata, set_forward_context
+from hookllm.worker.forward_context import AttentionMetadata, set_forward_context
 from hookllm.kernels import get_attention_backend
 from hookllm.layers import Attention
 from hookllm.worker.model_loader import building_on, load_checkpoint
@@ -161,7 +161,7 @@ def custom_all_reduce_worker(rank: int, world_size: int, init_method: str, out_d
     the reference norm)."""
     import torch.distributed as dist
 
-    from hookllm.custom_all_reduce import CustomAllReduce
+    from hookllm.distributed.custom_all_reduce import CustomAllReduce
     from hookllm.kernels import reference
 
     torch.set_num_threads(1)
@@ -190,7 +190,7 @@ def custom_all_reduce_gpu_worker(rank: int, world_size: int, init_method: str, o
     CUDA graph and replayed on new inputs; saves each result beside every rank's inputs."""
     import torch.distributed as dist
 
-    from hookllm.custom_all_reduce import CustomAllReduce
+    from hookllm.distributed.custom_all_reduce import CustomAllReduce
 
     init_tensor_parallel(rank, world_size, "gloo", init_method)
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hookllm.forward_context import get_forward_context
+from hookllm.worker.forward_context import get_forward_context
 
 
 class Attention(nn.Module):

@@ -12,8 +12,8 @@ import functools
 from dataclasses import dataclass
 
 from hookllm.plugins.manager import PluginManager
-from hookllm.plugins.reasoning_parsers import ReasoningDelta, ReasoningParser
-from hookllm.plugins.tool_parsers import ParsedDelta, ToolParser
+from hookllm.plugins.reasoning_parser import ReasoningDelta, ReasoningParser
+from hookllm.plugins.tool_parser import ParsedDelta, ToolParser
 from hookllm.server.protocol import (ChatResponseMessage, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
                                      FunctionCall, ToolCall, tool_call_id)
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from hookllm.plugins.manager import PluginManager
-from hookllm.plugins.reasoning_parsers import ReasoningParser
-from hookllm.plugins.tool_parsers import JsonCallsParser, ParsedDelta, ToolCallDelta, ToolParser
+from hookllm.plugins.reasoning_parser import ReasoningParser
+from hookllm.plugins.tool_parser import JsonCallsParser, ParsedDelta, ToolCallDelta, ToolParser
 from hookllm.sampling_params import SamplingParams, StructuredOutputsParams
 from hookllm.server.errors import OpenAIError
 from hookllm.server.protocol import ChatCompletionRequest, ChatTool

@@ -25,7 +25,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from hookllm.forward_context import AttentionMetadata, set_forward_context
+from hookllm.worker.forward_context import AttentionMetadata, set_forward_context
 
 
 def batch_size_buckets(max_batch_size: int) -> list[int]:

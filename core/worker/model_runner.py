@@ -27,7 +27,7 @@ from torch import nn
 
 from hookllm.worker.batch import Batch, LogitsJob, CachedRequestState
 from hookllm.worker.cuda_graph import CudaGraphRunner
-from hookllm.forward_context import AttentionMetadata, set_forward_context
+from hookllm.worker.forward_context import AttentionMetadata, set_forward_context
 from hookllm.outputs import Logprob, LogprobsEntry
 from hookllm.worker.penalties import AdjustedRows, LogitsAdjuster
 from hookllm.plugins.manager import ActiveHooks

@@ -17,7 +17,7 @@ from torch import nn
 from hookllm.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, text_config_of
 from hookllm.worker.cuda_graph import CudaGraphRunner
 from hookllm.distributed import check_tensor_parallel, set_expert_parallel
-from hookllm.forward_context import AttentionMetadata, set_forward_context
+from hookllm.worker.forward_context import AttentionMetadata, set_forward_context
 from hookllm.kernels import get_attention_backend, resolve_attention_backend
 from hookllm.kernels.reference import FP8_DTYPE
 from hookllm.layers.attention import Attention

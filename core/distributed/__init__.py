@@ -21,7 +21,7 @@ import torch.distributed as dist
 _tp_rank = 0
 _tp_size = 1
 _expert_parallel = False
-_custom_all_reduce = None  # hookllm.custom_all_reduce.CustomAllReduce, once init_custom_all_reduce made it
+_custom_all_reduce = None  # hookllm.distributed.custom_all_reduce.CustomAllReduce, once init_custom_all_reduce made it
 
 
 def init_tensor_parallel(
@@ -87,11 +87,11 @@ def expert_parallel_enabled() -> bool:
 
 
 def init_custom_all_reduce(device: torch.device, max_bytes: int | None = None) -> bool:
-    """Take small all-reduces off NCCL (``hookllm.custom_all_reduce``): a collective, after
+    """Take small all-reduces off NCCL (``hookllm.distributed.custom_all_reduce``): a collective, after
     ``init_tensor_parallel``. Returns False, and NCCL keeps every all-reduce, where the ranks'
     GPUs cannot reach each other's memory."""
     global _custom_all_reduce
-    from hookllm.custom_all_reduce import DEFAULT_MAX_BYTES, CustomAllReduce
+    from hookllm.distributed.custom_all_reduce import DEFAULT_MAX_BYTES, CustomAllReduce
 
     if _tp_size == 1:
         return False

@@ -25,7 +25,7 @@ constrained step of an engine worker), so that their Python runs beside the engi
 behind it on one GIL. What the engine side keeps (the constrained requests, the process, mask
 buffers) is per engine, in the engine's context (``backend.engine_state``).
 
-llguidance is imported inside the hooks (``hookllm.plugins.structured.backend``), so listing or
+llguidance is imported inside the hooks (``hookllm.bundled.structured.backend``), so listing or
 loading the plugin never needs it. An installed llguidance older than ``LLGUIDANCE_MIN_VERSION``
 fails the plugin's load, naming the version it needs.
 """
@@ -84,7 +84,7 @@ def preprocess_request(request: Any, tokenizer: Any, model_config: Any) -> None:
     # return before the backend, and llguidance with it, is imported.
     if params.structured_outputs is None and "structured_outputs" not in params.extra_args:
         return
-    from hookllm.plugins.structured import backend
+    from hookllm.bundled.structured import backend
 
     try:
         spec = backend.requested_spec(params)
@@ -105,7 +105,7 @@ def start_logits_job(batch: Any, context: Any) -> Any:
     rows = [j for j, r in enumerate(batch.sampling_requests) if COMPILED_KEY in r.sampling_params.extra_args]
     if not rows:
         return None
-    from hookllm.plugins.structured import backend
+    from hookllm.bundled.structured import backend
 
     return backend.MaskJob(batch, rows, backend.engine_state(context))
 
@@ -113,7 +113,7 @@ def start_logits_job(batch: Any, context: Any) -> Any:
 @hookimpl
 def request_finished(request: Any, context: Any) -> None:
     if COMPILED_KEY in request.sampling_params.extra_args:
-        from hookllm.plugins.structured import backend
+        from hookllm.bundled.structured import backend
 
         backend.drop(backend.engine_state(context), request)
 

@@ -1,6 +1,6 @@
 """What a reasoning parser is: one reply's text in, its reasoning and its content out, whole or streamed.
 
-As a tool parser does (:mod:`hookllm.plugins.tool_parsers.base`), a reasoning parser reads one
+As a tool parser does (:mod:`hookllm.plugins.tool_parser`), a reasoning parser reads one
 choice's reply as it is generated: ``feed`` each new piece, ``finish`` at its end, ``parse``
 for a whole reply, with the same result however the reply was cut into pieces. Every piece of
 text ends up in the reasoning or in the content, but for the markers.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from hookllm.plugins.tool_parsers.base import partial_marker
+from hookllm.plugins.tool_parser import partial_marker
 
 
 @dataclass

@@ -10,18 +10,14 @@ installed plugin, so they need no ``--plugin``):
   ``{"name": ..., "parameters": {...}}``, optionally after ``<|python_tag|>``, several separated
   by ``;``. A reply that does not begin with one is content.
 
-The parser API (:class:`ToolParser` and its building blocks) is in
-:mod:`hookllm.plugins.tool_parsers.base`, re-exported here for plugins that add parsers.
+Both are built from the parser API's blocks (:mod:`hookllm.plugins.tool_parser`), as a plugin
+adding a parser would.
 """
 
 from __future__ import annotations
 
 from hookllm.plugins.hookspecs import hookimpl
-from hookllm.plugins.tool_parsers.base import (JsonCallsParser, ParsedDelta, ParsedReply, ParsedToolCall,
-                                               TaggedToolParser, ToolCallDelta, ToolParser, json_call)
-
-__all__ = ["HermesToolParser", "JsonCallsParser", "Llama3JsonToolParser", "ParsedDelta", "ParsedReply",
-           "ParsedToolCall", "TaggedToolParser", "ToolCallDelta", "ToolParser", "json_call"]
+from hookllm.plugins.tool_parser import JsonCallsParser, ParsedToolCall, TaggedToolParser, ToolParser, json_call
 
 
 class HermesToolParser(TaggedToolParser):

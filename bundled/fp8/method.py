@@ -28,7 +28,7 @@ from hookllm.kernels import ops_for
 from hookllm.kernels.reference import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, to_fp8
 from hookllm.layers.attention import Attention
 from hookllm.layers.linear import VECTOR_LAYOUT, LoadedWeight, ParamLayout, _ShardedLinear, materialize
-from hookllm.plugins.fp8.scheme import Fp8Scheme, compressed_tensors_scheme, hf_fp8_scheme
+from hookllm.bundled.fp8.scheme import Fp8Scheme, compressed_tensors_scheme, hf_fp8_scheme
 from hookllm.plugins.quantization import LinearMethod, MoeMethod, QuantizationMethod
 
 # A fused layer's checkpoint projections: it is left unquantized only if all of them are.

@@ -1,7 +1,7 @@
 """The structured plugin's matcher process: llguidance matchers and their token masks, away from
 the engine's GIL.
 
-Run as a script by :mod:`hookllm.plugins.structured.matcher_process` (``python matcher_server.py
+Run as a script by :mod:`hookllm.bundled.structured.matcher_process` (``python matcher_server.py
 FD``), it imports llguidance and numpy only, never hookllm or torch, so it starts in a fraction of
 a second. It serves one connection (``multiprocessing.connection.Connection`` on the inherited
 socket ``FD``) and exits when the other end closes it. Messages are tuples:

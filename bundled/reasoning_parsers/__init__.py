@@ -9,17 +9,13 @@ installed plugin, so they need no ``--plugin``):
   QwQ's and Qwen3-Thinking-2507's): the reply begins inside the reasoning, which ``</think>``
   ends; a reply without ``</think>`` is all reasoning.
 
-The parser API (:class:`ReasoningParser`) is in :mod:`hookllm.plugins.reasoning_parsers.base`,
-re-exported here for plugins that add parsers.
+Both subclass the parser API's :class:`~hookllm.plugins.reasoning_parser.ThinkReasoningParser`.
 """
 
 from __future__ import annotations
 
 from hookllm.plugins.hookspecs import hookimpl
-from hookllm.plugins.reasoning_parsers.base import ReasoningDelta, ReasoningParser, ThinkReasoningParser
-
-__all__ = ["DeepSeekR1ReasoningParser", "Qwen3ReasoningParser", "ReasoningDelta", "ReasoningParser",
-           "ThinkReasoningParser"]
+from hookllm.plugins.reasoning_parser import ReasoningParser, ThinkReasoningParser
 
 
 class Qwen3ReasoningParser(ThinkReasoningParser):

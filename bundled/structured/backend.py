@@ -21,9 +21,9 @@ import torch
 
 from hookllm.worker.batch import Batch, CachedRequestState
 from hookllm.kernels import ops_for
-from hookllm.plugins import structured
-from hookllm.plugins.structured import COMPILED_KEY
-from hookllm.plugins.structured.matcher_process import MatcherProcess, MatcherProcessExited
+from hookllm.bundled import structured
+from hookllm.bundled.structured import COMPILED_KEY
+from hookllm.bundled.structured.matcher_process import MatcherProcess, MatcherProcessExited
 from hookllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)

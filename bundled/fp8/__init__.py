@@ -13,6 +13,6 @@ from hookllm import hookimpl
 
 @hookimpl
 def register_quantization_methods():
-    from hookllm.plugins.fp8.method import CompressedTensorsMethod, Fp8Method
+    from hookllm.bundled.fp8.method import CompressedTensorsMethod, Fp8Method
 
     return {"fp8": Fp8Method, "compressed-tensors": CompressedTensorsMethod}
