@@ -100,7 +100,7 @@ def run_hookllm(path: Path, images: list[Image.Image], args) -> dict:
     row["phases_s"] = {"preprocess": added - start, "prefill": prefilled - added,
                        "decode": row["wall_s"] - (prefilled - start)}
     print(f"hookllm phases: {row['phases_s']}", flush=True)
-    row["kv_cache_tokens"] = llm.engine.engine_core.block_manager.num_blocks * llm.engine.config.block_size
+    row["kv_cache_tokens"] = llm.engine.engine_core.scheduler.block_manager.num_blocks * llm.engine.config.block_size
     del llm
     return row
 

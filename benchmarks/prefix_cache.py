@@ -38,7 +38,7 @@ def timed_generate(llm, prompts: list[list[int]], max_tokens: list[int], caching
     """Seconds for one cold generate call with prefix caching on or off, and its outputs."""
     from hookllm import SamplingParams
 
-    manager = llm.engine.engine_core.block_manager
+    manager = llm.engine.engine_core.scheduler.block_manager
     manager.reset_prefix_cache()
     manager.enable_prefix_caching = caching
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in max_tokens]
@@ -78,7 +78,7 @@ def multi_turn(llm, args, vocab: int, caching: bool) -> dict:
     """Replay conversations turn by turn (all conversations' turn t in one generate call)."""
     rng = random.Random(2)
     history = [[rng.randrange(vocab) for _ in range(256)] for _ in range(args.conversations)]
-    manager = llm.engine.engine_core.block_manager
+    manager = llm.engine.engine_core.scheduler.block_manager
     manager.reset_prefix_cache()
     seconds, tokens = 0.0, 0
     for _ in range(args.turns):
@@ -96,7 +96,7 @@ def timed_generate_keep(llm, prompts, output_len: int, caching: bool) -> tuple[f
     """Like timed_generate, but keeps the cache warm across a conversation's turns."""
     from hookllm import SamplingParams
 
-    llm.engine.engine_core.block_manager.enable_prefix_caching = caching
+    llm.engine.engine_core.scheduler.block_manager.enable_prefix_caching = caching
     synchronize()
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -113,7 +113,7 @@ def beam_search_vs_transformers(llm, path: Path, args, vocab: int) -> dict:
     rng = random.Random(3)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(16, 64))] for _ in range(args.beam_prompts)]
     params = BeamSearchParams(beam_width=4, max_tokens=args.beam_tokens, ignore_eos=True)
-    llm.engine.engine_core.block_manager.enable_prefix_caching = True
+    llm.engine.engine_core.scheduler.block_manager.enable_prefix_caching = True
     llm.beam_search({"prompt_token_ids": prompts[0]}, params)  # warm-up
     synchronize()
     start = time.perf_counter()

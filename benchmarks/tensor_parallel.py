@@ -76,7 +76,7 @@ def run_engine(shape: str, tp: int, enforce_eager: bool, prompts, max_tokens, ar
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         seconds = time.perf_counter() - start
         step_ms = decode_step_ms(llm, args.step_batch)
-        kv_tokens = llm.engine.engine_core.block_manager.num_blocks * llm.engine.config.block_size
+        kv_tokens = llm.engine.engine_core.scheduler.block_manager.num_blocks * llm.engine.config.block_size
     finally:
         llm.engine.shutdown()
         del llm

@@ -341,7 +341,7 @@ def run_hookllm(path: Path, prompts, max_tokens, enforce_eager: bool, args) -> t
     row = summarize(name if args.repeat == 1 else f"{name} median call", median, counted_prompts, counted_tokens)
     row.update(repeat_stats(walls, sum(counted_tokens)), calls_triton_variants_compiled=compiled)
     row["startup"] = {**startup, "first_call_s": walls[0]}
-    row["kv_cache_tokens"] = llm.engine.engine_core.block_manager.num_blocks * llm.engine.config.block_size
+    row["kv_cache_tokens"] = llm.engine.engine_core.scheduler.block_manager.num_blocks * llm.engine.config.block_size
     return row, llm
 
 

@@ -89,13 +89,13 @@ def forward_chunk(engine: Any, request: Request, count: int) -> torch.Tensor:
     Allocates the KV blocks they need and advances ``num_computed_tokens``; the caller ends
     with :func:`release_chunked`.
     """
-    if not engine.engine_core.block_manager.allocate_slots(request, count):
+    if not engine.engine_core.scheduler.block_manager.allocate_slots(request, count):
         raise RuntimeError("not enough free KV blocks for the chunk")
     runner = engine.engine_core.worker.runner
     new = ([] if request.request_id in runner.requests else
            [NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params, request.mm_items)])
     step = SchedulerOutput(new, [request.request_id], [count], [request.num_computed_tokens], [[]], [],
-                           engine.engine_core.block_manager.block_tables([request]))
+                           engine.engine_core.scheduler.block_manager.block_tables([request]))
     runner.update_states(step)
     hidden_states, _ = runner.forward(runner.make_batch(step, None), step)
     request.num_computed_tokens += count
@@ -104,7 +104,7 @@ def forward_chunk(engine: Any, request: Request, count: int) -> torch.Tensor:
 
 def release_chunked(engine: Any, request: Request) -> None:
     """Free what :func:`forward_chunk` runs left: the request's blocks and its runner state."""
-    engine.engine_core.block_manager.free(request)
+    engine.engine_core.scheduler.block_manager.free(request)
     engine.engine_core.worker.execute(SchedulerOutput.empty([request.request_id]))
 
 
@@ -164,7 +164,7 @@ def assert_batch_invariant(llm: LLM, prompts: Sequence[list[int]], max_tokens: i
 
 
 def assert_all_blocks_free(llm: LLM) -> None:
-    manager = llm.engine.engine_core.block_manager
+    manager = llm.engine.engine_core.scheduler.block_manager
     assert manager.num_free_blocks == manager.num_blocks, (
         f"{manager.num_blocks - manager.num_free_blocks} KV blocks still held after all requests finished"
     )

@@ -2,17 +2,21 @@
 
 The worker builds the class from the checkpoint's HF config, feeds ``load_weights`` the
 checkpoint's tensors, runs ``forward`` on each step's flat batch and ``compute_logits`` on the
-rows that sample; multimodal adapters splice their rows into ``embed_tokens``' output. Check a
-class with :func:`contract_violations`.
+rows that sample; a multimodal model also implements :class:`SupportsMultiModal` (its encoder,
+its placeholders, how its rows join the token embeddings), and the core runs the encoder and
+keeps its outputs (:mod:`hookllm.multimodal`). Check a class with :func:`contract_violations`.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Literal, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
+
+    from hookllm.sched.request import MultiModalItem
 
 
 @runtime_checkable
@@ -35,12 +39,93 @@ class ModelProtocol(Protocol):
         """Copy ``(checkpoint name, tensor)`` pairs into the parameters; a missing or unexpected
         tensor is an error."""
 
+    # What the class opts into, as class attributes (these are the defaults). The core reads
+    # them with :func:`capability`, so a class need not subclass the protocol to have them.
+    supports_tensor_parallel: ClassVar[bool] = False
+    """Its layers split across tensor-parallel ranks (hookllm.layers' parallel ones) and its
+    ``load_weights`` takes each rank's slices of the checkpoint's tensors."""
+    supports_expert_parallel: ClassVar[bool] = False
+    """Its MoE layers place whole experts per rank under ``enable_expert_parallel``."""
+    supports_quantization: ClassVar[bool] = False
+    """Its linear and MoE layers take a quantization method's parameters and matmul."""
+    supports_torch_compile: ClassVar[bool] = False
+    """It has ``use_torch_compile()``, called before the CUDA-graph warm-up when ``torch_compile`` is on."""
+
+    @classmethod
+    def __subclasshook__(cls, other: type) -> bool:
+        # Structural on the methods alone: the flags have defaults, so a class need not set them
+        # (typing refuses issubclass() for protocols with data members otherwise).
+        if cls is not ModelProtocol:
+            return NotImplemented
+        return all(callable(getattr(other, name, None)) for name in _METHODS) or NotImplemented
+
+
+_METHODS = ("forward", "embed_tokens", "compute_logits", "load_weights")
+Capability = Literal["supports_tensor_parallel", "supports_expert_parallel", "supports_quantization",
+                     "supports_torch_compile"]
+
+
+def capability(model: Any, flag: Capability) -> bool:
+    """A :class:`ModelProtocol` capability flag of ``model`` (a class or an instance): its own
+    value, else the protocol's default."""
+    return getattr(model, flag, getattr(ModelProtocol, flag))
+
+
+@dataclass(frozen=True)
+class Placeholder:
+    """How one media item sits in a prompt: ``num_rows`` copies of ``token_id``, one per
+    embedding row the encoder makes of it."""
+
+    token_id: int
+    num_rows: int
+
+
+@runtime_checkable
+class SupportsMultiModal(Protocol):
+    """A :class:`ModelProtocol` model whose prompts hold media items (images, ...), each turned
+    into embedding rows by its encoder. Subclass it (``class M(nn.Module, SupportsMultiModal)``)
+    to inherit the flag and the default merge.
+
+    The core's part (:mod:`hookllm.multimodal`): the default ``load_model`` builds the class as
+    ``cls(hf_config, text_model_cls)``, the text decoder being the class registered for
+    ``hf_config.text_config``'s architecture; the model runner works out which rows of which
+    items each step needs (a chunked prefill may cut an item), runs ``embed_multimodal`` once per
+    distinct item (by content hash) for all of a step's new items together, keeps the result
+    while a live request uses it, and hands each step's rows to ``merge_multimodal_embeddings``.
+    The adapter's part: the methods below, and a ``preprocess_request`` hook that turns
+    ``multi_modal_data`` into ``mm_items`` and expands the prompt's placeholders
+    (:func:`hookllm.multimodal.expand_placeholders`).
+    """
+
+    supports_multimodal: ClassVar[Literal[True]] = True
+
+    @classmethod
+    def placeholder(cls, hf_config: Any, modality: str) -> Placeholder:
+        """The prompt token and row count of one item of ``modality``."""
+
+    def embed_multimodal(self, items: Sequence[MultiModalItem]) -> Sequence[torch.Tensor]:
+        """The encoder: one ``[item.length, hidden]`` tensor per item (``item.data`` as the
+        adapter's ``preprocess_request`` left it, on the host), in one batched call."""
+
+    def merge_multimodal_embeddings(self, inputs_embeds: torch.Tensor, rows: torch.Tensor,
+                                    embeddings: torch.Tensor) -> torch.Tensor:
+        """``embed_tokens``' output for the step ``[num_tokens, hidden]``, the flat rows its items
+        fill ``[n]`` and their embedding rows ``[n, hidden]`` -> the step's input embeddings.
+        By default the item rows replace the placeholders' token embeddings."""
+        inputs_embeds[rows] = embeddings.to(inputs_embeds.dtype)
+        return inputs_embeds
+
+
+def is_multimodal(model_cls: type) -> bool:
+    """Whether ``model_cls`` implements :class:`SupportsMultiModal` (says so by its flag)."""
+    return getattr(model_cls, "supports_multimodal", False) is True
+
 
 def contract_violations(model_cls: type) -> list[str]:
     """How ``model_cls`` departs from :class:`ModelProtocol`: each member it lacks, or whose
     parameters (names, in order, and which have defaults) differ. Empty when it conforms."""
     problems = []
-    for name in ("forward", "embed_tokens", "compute_logits", "load_weights"):
+    for name in _METHODS:
         member = getattr(model_cls, name, None)
         if not callable(member):
             problems.append(f"{model_cls.__name__} has no method {name}")

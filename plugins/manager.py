@@ -1,10 +1,11 @@
 """Finding installed plugins (entry-point group ``hookllm.plugins``) and choosing the active set.
 
-Every installed plugin contributes to ``register_models``, ``add_cli_options``,
-``claim_request_parameters`` and the registrations of named components (``REGISTRATION_HOOKS``:
-tool parsers, reasoning parsers, quantization methods, structured output backends); the other
-hooks run only for the active plugins: those the user
-selected, the one that registered the checkpoint's architecture, and the core defaults. A
+Every installed plugin contributes to the hooks of scope ``"installed"`` (``register_models``,
+``register_components``, ``claim_request_parameters``, ``add_cli_options``); the other hooks run
+only for the active plugins: those the user selected, the one that registered the checkpoint's
+architecture, and the core defaults (of scope ``"model"``: of the adapters, only the one serving
+the checkpoint). A plugin implementing hooks under their previous names is registered through
+:func:`hookllm.plugins.deprecated_hooks.current_hooks`. A
 plugin that fails to load is kept with its error, so it can be listed and reported when
 selected, and never takes down the others.
 
@@ -26,12 +27,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import pluggy
 
 from hookllm.plugins import hookspecs
+from hookllm.plugins.components import ComponentKind, Components
 from hookllm.plugins.context import EngineContext, RequestParameters
+from hookllm.plugins.deprecated_hooks import DEPRECATED_HOOKS, current_hooks
 from hookllm.plugins.registry import ModelRegistry
 from hookllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from hookllm.sched.request import Request
+    from hookllm.engine.core_request import EngineCoreRequest
 
 ENTRY_POINT_GROUP = "hookllm.plugins"
 CORE_PLUGIN = "core"
@@ -40,12 +43,6 @@ CORE_PLUGIN = "core"
 PLUGIN_FIELDS = ("structured_outputs",)
 _DEFAULT_PARAMS = SamplingParams()
 _NO_DEFAULT = object()  # an extra_args key a plugin names outright: any value needs the plugin
-# The hooks through which plugins register named components ({name: component}), and what one
-# such component is called in messages and in `hookllm plugins`: a new registration hook is one
-# more line here.
-REGISTRATION_HOOKS = {"register_tool_parsers": "tool parser", "register_reasoning_parsers": "reasoning parser",
-                      "register_quantization_methods": "quantization method",
-                      "register_structured_output_backends": "structured output backend"}
 
 
 @dataclass
@@ -60,17 +57,25 @@ class PluginInfo:
     parameters: RequestParameters = field(default_factory=RequestParameters)
     # extra_args keys from its add_cli_options dests -> the flag's default (what the CLI sends unasked)
     option_defaults: dict[str, Any] = field(default_factory=dict)
-    # REGISTRATION_HOOKS' hook -> {name: what the plugin registers under it (a class; the kinds of a backend)}
-    registered: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # What its register_components registered: tool parsers, quantization methods, ...
+    components: Components = field(default_factory=Components)
 
     def structured_output_kinds(self) -> set[str]:
         """The ``structured_outputs`` kinds (``json``, ``regex``, ...) the plugin's backends enforce."""
-        return {kind for kinds in self.registered.get("register_structured_output_backends", {}).values()
+        return {kind for kinds in self.components.by_kind[ComponentKind.STRUCTURED_OUTPUT_BACKEND].values()
                 for kind in kinds}
 
 
+class _HookManager(pluggy.PluginManager):
+    """pluggy's manager of hookllm's hooks; a plugin implementing hooks under their previous
+    names is registered with them standing in for the current ones."""
+
+    def register(self, plugin: Any, name: str | None = None) -> str | None:
+        return super().register(current_hooks(plugin, name), name)
+
+
 def _new_plugin_manager() -> pluggy.PluginManager:
-    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm = _HookManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
     return pm
 
@@ -82,10 +87,10 @@ def _check_hooks(name: str, plugin: Any) -> list[str]:
     pm = _new_plugin_manager()
     try:
         pm.register(plugin, name=name)
-        callers = pm.get_hookcallers(plugin) or []
+        callers = pm.get_hookcallers(pm.get_plugin(name)) or []
         unknown = [caller.name for caller in callers if not caller.has_spec()]
         if unknown:
-            known = sorted(n for n, f in vars(hookspecs).items() if pm.parse_hookspec_opts(hookspecs, n))
+            known = sorted(hookspecs.placements())
             raise ValueError(f"plugin {name!r} implements unknown hook(s) {', '.join(unknown)}; "
                              f"the hooks are: {', '.join(known)}")
         pm.check_pending()
@@ -93,7 +98,9 @@ def _check_hooks(name: str, plugin: Any) -> list[str]:
         raise ValueError(f"plugin {name!r}: {exc}") from None
     hooks = sorted(caller.name for caller in callers)
     if inspect.isclass(plugin):
-        bound = [hook for hook in hooks if hook in hookspecs.INSTALLED_WIDE
+        installed = hookspecs.hooks_in_scope("installed")
+        installed |= {old.name for old in DEPRECATED_HOOKS.values() if old.replacement in installed}
+        bound = [hook for hook in sorted(installed) if hasattr(plugin, hook)
                  and not isinstance(inspect.getattr_static(plugin, hook), (staticmethod, classmethod))]
         if bound:
             raise ValueError(f"plugin {name!r}: {', '.join(bound)} run before any engine (so any instance) exists: "
@@ -147,7 +154,7 @@ class PluginManager:
             registrations.register(info.module, name=info.name)
         for info in self.loaded():
             # One plugin at a time, so each declaration is recorded under its plugin's name.
-            others = [other.module for other in self.loaded() if other is not info]
+            others = [registrations.get_plugin(other.name) for other in self.loaded() if other is not info]
             alone = lambda hook: registrations.subset_hook_caller(hook, remove_plugins=others)  # noqa: E731
             alone("register_models")(registry=self.registry.scoped(info.name))
             info.architectures = self.registry.architectures_of(info.name)
@@ -156,24 +163,24 @@ class PluginManager:
             info.parameters = RequestParameters(*(
                 tuple(dict.fromkeys(name for p in declared for name in getattr(p, part.name)))
                 for part in dataclasses.fields(RequestParameters)))
-            info.registered = {hook: {name: cls for named in alone(hook)() if named for name, cls in named.items()}
-                               for hook in REGISTRATION_HOOKS}
+            info.components = Components()
+            alone("register_components")(components=info.components)
         self.all_plugins = registrations  # add_cli_options runs on every installed plugin
 
     def loaded(self) -> list[PluginInfo]:
         return [info for info in self.plugins.values() if info.module is not None]
 
-    def named_class(self, hook: str, name: str) -> type:
-        """The class registered as ``name`` through ``hook`` (a key of ``REGISTRATION_HOOKS``) by
-        an installed plugin; ``ValueError`` naming the registered ones when none or several do."""
-        owners = [info for info in self.loaded() if name in info.registered[hook]]
+    def component(self, kind: ComponentKind, name: str) -> Any:
+        """The ``kind`` an installed plugin registers as ``name``; ``ValueError`` naming the
+        registered ones when none or several do."""
+        owners = [info for info in self.loaded() if name in info.components.by_kind[kind]]
         if len(owners) == 1:
-            return owners[0].registered[hook][name]
-        what = REGISTRATION_HOOKS[hook]
+            return owners[0].components.by_kind[kind][name]
+        what = kind.value
         if owners:
             raise ValueError(f"{what} {name!r} is registered by several plugins: "
                              f"{', '.join(info.name for info in owners)}")
-        known = sorted({named for info in self.loaded() for named in info.registered[hook]})
+        known = sorted({named for info in self.loaded() for named in info.components.by_kind[kind]})
         raise ValueError(f"no installed plugin provides a {what} named {name!r}; "
                          f"the {what}s: {', '.join(known) or 'none'}")
 
@@ -208,7 +215,7 @@ class PluginManager:
             plugin = plugin() if inspect.isclass(plugin) else plugin
             pm.register(plugin, name=name)
             if self.plugins[name].architectures and name != owner:
-                other_adapters.append(plugin)
+                other_adapters.append(pm.get_plugin(name))
         return ActiveHooks(pm, context, self.plugins, other_adapters)
 
 
@@ -225,8 +232,9 @@ class ActiveHooks:
         self.active_names = frozenset(name for name, _ in pm.list_name_plugin())
         self.checked_fields = tuple(dict.fromkeys(
             [*PLUGIN_FIELDS, *(name for info in self.loaded for name in info.parameters.sampling_params)]))
+        model_scoped = hookspecs.hooks_in_scope("model")
         self.hook = SimpleNamespace(**{
-            name: pm.subset_hook_caller(name, other_adapters) if name in hookspecs.MODEL_SCOPED else caller
+            name: pm.subset_hook_caller(name, other_adapters) if name in model_scoped else caller
             for name, caller in vars(pm.hook).items()})
 
     @property
@@ -241,7 +249,7 @@ class ActiveHooks:
         names = [repr(impl.plugin_name) for impl in impls if impl.plugin_name != CORE_PLUGIN]
         return f"plugin {names[0]}" if len(names) == 1 else "one of the plugins " + ", ".join(names)
 
-    def check_claimed(self, request: Request) -> None:
+    def check_claimed(self, request: EngineCoreRequest) -> None:
         """Refuse ``request`` (``ValueError``) if it carries a parameter that no active plugin
         handles; called once the ``preprocess_request`` hooks have run. See the
         ``claim_request_parameters`` hookspec for the rule."""
@@ -264,7 +272,7 @@ class ActiveHooks:
         default = info.option_defaults.get(key, _NO_DEFAULT)
         return key in info.parameters.extra_args or (default is not _NO_DEFAULT and value != default)
 
-    def _refuse(self, request: Request, parameter: str, handles: Callable[[PluginInfo], bool]) -> None:
+    def _refuse(self, request: EngineCoreRequest, parameter: str, handles: Callable[[PluginInfo], bool]) -> None:
         """``ValueError``: ``parameter`` of ``request`` is left over; names the installed plugins
         that ``handles`` it and why none of them took it."""
         owner = self.context.model_config.plugin

@@ -1,7 +1,8 @@
 """The quantization contract: how a plugin serves quantized weights.
 
-A plugin names the methods it serves through the ``register_quantization_methods`` hook
-(``{name: QuantizationMethod subclass}``, installed-wide, as the parsers are). The engine picks
+A plugin names the methods it serves through the ``register_components`` hook
+(``components.add_quantization_method(name, QuantizationMethod subclass)``, installed-wide, as
+the parsers are). The engine picks
 one by the checkpoint's ``quantization_config.quant_method``, or by ``--quantization NAME``
 (which must then agree with the checkpoint's, if it has one), and builds it from that config
 (``{}`` for an unquantized checkpoint). Every step of loading then asks it:

@@ -106,14 +106,10 @@ class ModelRegistry:
         return chosen[0]
 
     def resolve(self, architecture: str, plugin: str | None = None) -> type:
-        """The class for ``architecture``: ``plugin``'s registration (by name, else its fallback),
-        by default its :meth:`owner`'s."""
+        """The class for ``architecture`` of ``plugin``, the plugin :meth:`owner` chose (by default
+        asked here): its registration by name, else its fallback, whose claim ``owner`` checked."""
         plugin = plugin or self.owner(architecture)
-        target = self._entries.get(architecture, {}).get(plugin)
-        if target is None and plugin in self._fallbacks and self._fallbacks[plugin].claims(architecture):
-            target = self._fallbacks[plugin].target
-        if target is None:
-            raise ValueError(f"plugin {plugin!r} registers no architecture {architecture!r}")
+        target = self._entries.get(architecture, {}).get(plugin) or self._fallbacks[plugin].target
         if isinstance(target, str):
             module, _, name = target.partition(":")
             target = getattr(importlib.import_module(module), name)

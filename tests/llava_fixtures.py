@@ -22,6 +22,7 @@ from hookllm import testing
 from hookllm.adapters.llava import make_tiny
 from hookllm.adapters.llava.make_tiny import (IMAGE_SIZE, IMAGE_TOKEN_ID, PATCH_SIZE, VOCAB_SIZE,  # noqa: F401
                                               WORDS, save_checkpoint, save_tokenizer, tiny_llava_config)
+from hookllm.engine.core_request import EngineCoreRequest
 from hookllm.sched.request import Request
 from hookllm.sampling_params import SamplingParams
 
@@ -64,14 +65,19 @@ def reference_greedy(model: LlavaForConditionalGeneration, inputs: dict[str, tor
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
+def encoder_cache(engine):
+    """The engine's encoder cache: the core's, in its in-process model runner."""
+    return engine.engine_core.worker.runner.encoder.cache
+
+
 def prompt_logits_chunked(llm, prompt: str, images: list[Image.Image], chunk: int) -> torch.Tensor:
     """hookllm's logits at every prompt position, prefilled ``chunk`` tokens at a time through the
-    engine's hooks (preprocess_request, prepare_inputs, request_finished) and model runner."""
+    engine's hooks (preprocess_request) and model runner (its encoder cache included)."""
     engine = llm.engine
-    request = Request("logits", engine.tokenizer(prompt)["input_ids"], SamplingParams(), prompt=prompt,
-                      multi_modal_data={"image": images})
-    engine.hooks.hook.preprocess_request(request=request, tokenizer=engine.tokenizer, model_config=engine.model_config,
-                                        context=engine.hooks.context)
+    core_request = EngineCoreRequest("logits", engine.tokenizer(prompt)["input_ids"], SamplingParams(), prompt=prompt,
+                                     multi_modal_data={"image": images})
+    engine.hooks.hook.preprocess_request(request=core_request, context=engine.hooks.context)
+    request = Request.from_core_request(core_request)
     logits = []
     try:
         while request.num_computed_tokens < request.num_tokens:

@@ -73,23 +73,26 @@ def test_plugins_wrapped_lists_keep_every_hook_and_architecture(capsys):
     assert names and all(name in words for name in names)
 
 
-# What the bundled plugins register through each registration hook, called here directly on
-# the plugins' entry points.
-REGISTRATION_HOOKS = ("register_tool_parsers", "register_reasoning_parsers", "register_quantization_methods",
-                      "register_structured_output_backends")
+# What the bundled plugins register, their register_components called here directly on the
+# plugins' entry points.
+LISTING_KEYS = ("tool_parsers", "reasoning_parsers", "quantization_methods", "structured_output_backends")
 
 
 def registered_by_entry_points() -> dict[str, dict[str, list[str]]]:
     """Plugin -> {"tool_parsers": [names], ...} for every installed plugin that registers something."""
     from importlib import metadata
 
+    from hookllm.plugins.components import Components
+
     registered: dict[str, dict[str, list[str]]] = {}
     for entry_point in metadata.entry_points(group="hookllm.plugins"):
         plugin = entry_point.load()
-        for hook in REGISTRATION_HOOKS:
-            names = sorted(getattr(plugin, hook)() or {}) if hasattr(plugin, hook) else []
-            if names:
-                registered.setdefault(entry_point.name, {})[hook.removeprefix("register_")] = names
+        components = Components()
+        if hasattr(plugin, "register_components"):
+            plugin.register_components(components)
+        for kind, named in components.by_kind.items():
+            if named:
+                registered.setdefault(entry_point.name, {})[kind.name.lower() + "s"] = sorted(named)
     return registered
 
 
@@ -100,7 +103,7 @@ def test_plugins_json_lists_what_each_plugin_registers(capsys):
     assert "fp8" in expected["fp8"]["quantization_methods"]
     assert main(["plugins", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    listed = {row["name"]: {key: row[key] for key in (h.removeprefix("register_") for h in REGISTRATION_HOOKS)
+    listed = {row["name"]: {key: row[key] for key in LISTING_KEYS
                             if row[key]} for row in rows}
     assert {name: kinds for name, kinds in listed.items() if kinds} == expected
 

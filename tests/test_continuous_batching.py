@@ -90,5 +90,5 @@ def test_blocks_are_freed_the_moment_a_request_finishes(make_llm):
     outputs = {o.request_id: o for o in engine.step()}
     assert outputs[short].finished
     # The finished request's 2 blocks are back; the other still holds its 2.
-    assert engine.engine_core.block_manager.num_free_blocks == 16 - 2
+    assert engine.engine_core.scheduler.block_manager.num_free_blocks == 16 - 2
     assert not engine.has_request(short)

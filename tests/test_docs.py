@@ -28,7 +28,22 @@ def test_generated_hook_reference_covers_every_hookspec():
     text = (DOCS / "plugins.md").read_text()
     hooks = [name for name, f in vars(hookspecs).items() if hasattr(f, hookspecs.PROJECT_NAME + "_spec")]
     assert len(hooks) >= 7
-    assert all(f"### `{name}(" in text for name in hooks)
+    assert all(f"#### `{name}(" in text for name in hooks)
+
+
+def test_every_hookspec_carries_its_placement_and_an_example():
+    from hookllm.plugins import hookspecs
+
+    specs = {name: f for name, f in vars(hookspecs).items() if hasattr(f, hookspecs.PROJECT_NAME + "_spec")}
+    assert set(hookspecs.placements()) == set(specs)
+    assert [name for name, f in specs.items() if f"def {name}(" not in f.__doc__] == []
+
+
+def test_the_deprecated_hook_names_table_lists_each_old_hook_and_its_replacement():
+    from hookllm.plugins.deprecated_hooks import DEPRECATED_HOOKS
+
+    text = (DOCS / "plugins.md").read_text().partition("### Deprecated hook names")[2]
+    assert all(f"| `{old.name}(" in text and f"`{old.replacement}(" in text for old in DEPRECATED_HOOKS.values())
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])

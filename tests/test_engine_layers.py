@@ -1,5 +1,5 @@
 """The engine's three layers: input processing, the engine core, output processing; and the
-``request_completed`` hook, which the output processor calls once per request."""
+``engine_request_finished`` hook, which the output processor calls once per request."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ PROMPT = {"prompt_token_ids": list(range(2, 30))}
 
 @pytest.fixture
 def recording_engine(tiny_llama_dir):
-    """An engine whose active plugins include one recording every ``request_completed`` call."""
+    """An engine whose active plugins include one recording every ``engine_request_finished`` call."""
     completed = []
     module = types.ModuleType("recorder")
-    module.request_completed = hookimpl(lambda output: completed.append(output))
+    module.engine_request_finished = hookimpl(lambda output: completed.append(output))
     plugins = discover_plugins()
     plugins["recorder"] = PluginInfo("recorder", module)
     config = EngineConfig(str(tiny_llama_dir), plugins=["recorder"], device="cpu", dtype="float32", num_kv_blocks=64)
@@ -36,7 +36,7 @@ def run_to_end(engine: LLMEngine) -> list:
     return outputs
 
 
-def test_request_completed_gets_the_complete_output_once_whatever_the_output_kind(recording_engine):
+def test_engine_request_finished_gets_the_complete_output_once_whatever_the_output_kind(recording_engine):
     engine = recording_engine
     engine.add_request("r", PROMPT, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
                                                    output_kind="delta", logprobs=1))
@@ -50,7 +50,7 @@ def test_request_completed_gets_the_complete_output_once_whatever_the_output_kin
     assert done.metrics.finished_time >= done.metrics.first_token_time >= done.metrics.arrival_time
 
 
-def test_request_completed_for_n_gets_the_parents_output_with_every_completion(recording_engine):
+def test_engine_request_finished_for_n_gets_the_parents_output_with_every_completion(recording_engine):
     engine = recording_engine
     params = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=3, ignore_eos=True)
     engine.add_request("p", PROMPT, params)
@@ -61,7 +61,7 @@ def test_request_completed_for_n_gets_the_parents_output_with_every_completion(r
     assert [(c.index, c.token_ids) for c in done.outputs] == sorted(finished.items())
 
 
-def test_request_completed_for_an_aborted_request_says_abort_and_keeps_its_tokens(recording_engine):
+def test_engine_request_finished_for_an_aborted_request_says_abort_and_keeps_its_tokens(recording_engine):
     engine = recording_engine
     engine.add_request("a", PROMPT, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     for _ in range(4):

@@ -50,7 +50,7 @@ def test_a_failed_step_ends_every_request_and_the_engine_serves_on(tiny_llama_di
     assert engine.get_num_unfinished_requests() == 0
     assert run_to_end(engine) == []  # nothing is left to step
     assert run_to_end_of(engine, "after", testing.greedy(4)) == expected
-    blocks = engine.engine_core.block_manager
+    blocks = engine.engine_core.scheduler.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks
 
 

@@ -156,7 +156,7 @@ def test_tokens_and_prompt_logprobs_equal_transformers(checkpoints, async_schedu
     model = llm.engine.engine_core.worker.model
     assert type(model) is GptOssForCausalLM
     assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [WINDOW, None]
-    assert llm.engine.engine_core.block_manager.group_windows == (None, WINDOW)
+    assert llm.engine.engine_core.scheduler.block_manager.group_windows == (None, WINDOW)
     assert_answers_as_transformers(llm, PROMPTS, checkpoints.tokens, checkpoints.logprobs)
 
 

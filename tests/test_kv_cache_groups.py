@@ -72,7 +72,7 @@ def test_a_hybrid_request_holds_every_full_group_block_and_only_its_window_in_th
     request.num_computed_tokens = 100
     # The next query (position 100) reads 69..100: blocks 4..6 of the sliding group; the full one reads all.
     assert manager.allocate_slots(request, 1)
-    full, sliding = request.block_ids
+    full, sliding = manager.block_ids(request)
     assert manager.null_block not in full and sliding[:4] == [manager.null_block] * 4
     assert [len(ids) for ids in manager.live_block_ids(request)] == [7, 3] and manager.num_free_blocks == 9
     # Decoding to 130 tokens: 9 blocks in the full group; the sliding one reads 99..129, blocks 6..8.
@@ -80,11 +80,13 @@ def test_a_hybrid_request_holds_every_full_group_block_and_only_its_window_in_th
         request.num_computed_tokens = computed
         assert manager.allocate_slots(request, 1)
     assert [len(ids) for ids in manager.live_block_ids(request)] == [9, 3] and manager.num_free_blocks == 7
-    assert manager.block_tables([request]).tolist() == [[full], [[0] * 6 + sliding[6:]]]
+    full, sliding = manager.block_ids(request)  # read again: both tables grew
+    assert len(full) == 9 and sliding[:6] == [manager.null_block] * 6
+    assert manager.block_tables([request]).tolist() == [[full], [sliding]]
     # Its peak with 16-token chunks: 9 full blocks, and 47 tokens straddling at most 4 sliding ones.
     assert manager.peak_blocks(130, 16) == 9 + 4 and manager.peak_blocks(130, 130) == 9 + 9
     manager.free(request)
-    assert manager.num_free_blocks == 19 and request.block_ids == []
+    assert manager.num_free_blocks == 19 and manager.block_ids(request) == []
 
 
 def test_a_forked_request_copies_its_partial_last_block_in_every_group():
@@ -99,9 +101,9 @@ def test_a_forked_request_copies_its_partial_last_block_in_every_group():
     assert manager.allocate_slots(child, 1)
     # Both groups' last blocks were shared: each gets a private copy, the rest stay shared.
     copies = manager.take_copies()
-    assert [source for source, _ in copies] == [parent.block_ids[0][2], parent.block_ids[1][2]]
-    assert [ids[2] for ids in child.block_ids] == [copy for _, copy in copies]
-    assert [ids[:2] for ids in child.block_ids] == [ids[:2] for ids in parent.block_ids]
+    assert [source for source, _ in copies] == [manager.block_ids(parent)[0][2], manager.block_ids(parent)[1][2]]
+    assert [ids[2] for ids in manager.block_ids(child)] == [copy for _, copy in copies]
+    assert [ids[:2] for ids in manager.block_ids(child)] == [ids[:2] for ids in manager.block_ids(parent)]
     assert manager.num_free_blocks == 11 - 8
 
 
@@ -110,7 +112,7 @@ def test_a_prefix_hit_is_the_longest_run_usable_in_every_group():
     prompt = list(range(2, 102))  # 100 tokens: 6 full blocks cached per group
     first = Request("first", prompt, testing.greedy(4))
     assert manager.allocate_slots(first, 100)
-    full, sliding = (list(ids) for ids in first.block_ids)
+    full, sliding = (list(ids) for ids in manager.block_ids(first))
     manager.free(first)
     # The sliding group's block 4 is evicted: a run of 5 or 6 blocks would need it (a query at 80
     # or 96 reads from 49 or 65), a run of 4 needs blocks 2 and 3 only (a query at 64 reads from 33).
@@ -121,7 +123,7 @@ def test_a_prefix_hit_is_the_longest_run_usable_in_every_group():
     assert hit == list(zip(full[:4], [manager.null_block] * 2 + sliding[2:4]))
     again = Request("again", prompt + [7], testing.greedy(4))
     assert manager.allocate_slots(again, 101 - 64, hit)
-    assert again.block_ids[0][:4] == full[:4] and again.block_ids[1][:4] == [0, 0] + sliding[2:4]
+    assert manager.block_ids(again)[0][:4] == full[:4] and manager.block_ids(again)[1][:4] == [0, 0] + sliding[2:4]
     # Without the full group's block 0 nothing is usable at all.
     del manager.cached[manager.blocks[full[0]].cache_key]
     manager.blocks[full[0]].cache_key = None
@@ -224,7 +226,7 @@ def test_a_sequence_too_long_to_keep_every_block_fits(gemma2):
     # The bytes of 12 blocks of all 4 layers make 24 blocks of one group's 2 layers (23 usable).
     every_layer_block_bytes = 4 * 2 * 2 * 16 * BLOCK * 4  # layers x (K, V) x kv heads x head dim x tokens x fp32
     llm = make_llm(gemma2, cpu_kv_cache_bytes=12 * every_layer_block_bytes, max_num_batched_tokens=16)
-    manager, scheduler = llm.engine.engine_core.block_manager, llm.engine.engine_core.scheduler
+    manager, scheduler = llm.engine.engine_core.scheduler.block_manager, llm.engine.engine_core.scheduler
     assert llm.engine.engine_core.worker.num_kv_blocks == 24 and manager.num_blocks == 23
     # 150 + 100 tokens: 16 blocks per group. Kept, that is 16 blocks of all 4 layers (the cache has
     # 12). Freed, at most 16 + 4 are held at once: 31 + 16 tokens straddle 4 sliding blocks.

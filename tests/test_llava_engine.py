@@ -7,6 +7,7 @@ import io
 import pytest
 from llava_fixtures import (  # noqa: F401 - checkpoint and reference are fixtures
     checkpoint,
+    encoder_cache,
     reference,
     random_image,
     reference_greedy,
@@ -15,7 +16,6 @@ from llava_fixtures import (  # noqa: F401 - checkpoint and reference are fixtur
 from transformers import LlamaConfig
 
 from hookllm import LLM, testing
-from hookllm.adapters.llava import encoder_cache
 from hookllm.entrypoints.cli import main as cli_main
 
 PROMPT = "USER: <image> What is this? ASSISTANT:"
@@ -61,7 +61,7 @@ def test_each_image_is_encoded_once_under_chunking_and_preemption(monkeypatch, c
     for image, output in zip(IMAGES, outputs):
         expected = reference_greedy(reference, reference_inputs(checkpoint, PROMPT, [image]), 24)
         assert output.outputs[0].token_ids == expected
-    assert len(encoder_cache(llm.engine.engine_core.worker.hooks.context)) == 0
+    assert len(encoder_cache(llm.engine)) == 0
     testing.assert_all_blocks_free(llm)
 
 
@@ -77,7 +77,7 @@ def test_encoder_cache_is_freed_on_abort(checkpoint):
     engine = llm.engine
     request_id = engine.add_request("a", image_request(IMAGES[0]), testing.greedy(8))
     engine.step()
-    cache = encoder_cache(engine.engine_core.worker.hooks.context)
+    cache = encoder_cache(engine)
     assert len(cache) == 1
     engine.abort_request(request_id)
     assert len(cache) == 0
@@ -90,7 +90,7 @@ def test_shared_image_stays_cached_until_its_last_user_finishes(checkpoint):
     first = engine.add_request("first", image_request(IMAGES[0]), testing.greedy(8))
     second = engine.add_request("second", image_request(IMAGES[0], "USER: <image> describe the picture"), testing.greedy(8))
     engine.step()
-    cache = encoder_cache(engine.engine_core.worker.hooks.context)
+    cache = encoder_cache(engine)
     engine.abort_request(first)
     assert len(cache) == 1
     engine.abort_request(second)
@@ -114,7 +114,7 @@ def test_bad_input_fails_alone_and_the_engine_keeps_serving(shared_llm, checkpoi
         shared_llm.generate([image_request(IMAGES[1]), request_], testing.greedy(4))
     expected = reference_greedy(reference, reference_inputs(checkpoint, PROMPT, IMAGES[:1]), 4)
     assert shared_llm.generate(image_request(IMAGES[0]), testing.greedy(4))[0].outputs[0].token_ids == expected
-    assert len(encoder_cache(shared_llm.engine.engine_core.worker.hooks.context)) == 0
+    assert len(encoder_cache(shared_llm.engine)) == 0
     testing.assert_all_blocks_free(shared_llm)
 
 

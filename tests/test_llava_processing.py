@@ -15,7 +15,8 @@ from PIL import Image
 from transformers import LlavaImageProcessorPil, PreTrainedTokenizerFast
 
 from hookllm.adapters.llava.processing import ImageProcessor, expand_request
-from hookllm.sched.request import Request
+from hookllm.engine.core_request import EngineCoreRequest
+from hookllm.plugins.contract import Placeholder
 from hookllm.sampling_params import SamplingParams
 
 SIZES = [(40, 30), (25, 50), (300, 200), (13, 90)]  # non-square, up- and down-scaled
@@ -90,12 +91,12 @@ def test_do_pad_in_preprocessor_config_equals_llava_image_processor(tmp_path):
 
 def make_request(tokenizer, prompt=None, token_ids=None, images=()):
     token_ids = token_ids if token_ids is not None else tokenizer(prompt)["input_ids"]
-    return Request("r1", token_ids, SamplingParams(), prompt=prompt, multi_modal_data={"image": list(images)})
+    return EngineCoreRequest("r1", token_ids, SamplingParams(), prompt=prompt, multi_modal_data={"image": list(images)})
 
 
 def expand(request, tokenizer, checkpoint):
     processor = ImageProcessor.from_pretrained(checkpoint, IMAGE_SIZE)
-    expand_request(request, tokenizer, IMAGE_TOKEN_ID, TOKENS_PER_IMAGE, processor)
+    expand_request(request, tokenizer, Placeholder(IMAGE_TOKEN_ID, TOKENS_PER_IMAGE), processor)
     return request
 
 
@@ -105,7 +106,6 @@ def test_string_prompt_expands_like_llava_processor(checkpoint, tokenizer):
     request = expand(make_request(tokenizer, prompt, images=images), tokenizer, checkpoint)
     reference = reference_inputs(checkpoint, prompt, images)
     assert request.prompt_token_ids == reference["input_ids"][0].tolist()
-    assert request.all_token_ids == request.prompt_token_ids
     assert [(m.offset, m.length) for m in request.mm_items] == [(3, 16), (20, 16)]
     for item, pixels in zip(request.mm_items, reference["pixel_values"]):
         assert item.modality == "image" and (item.data - pixels).abs().max() < 1e-5

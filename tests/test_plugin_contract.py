@@ -11,7 +11,7 @@ import torch
 
 from hookllm.adapters.llama import ARCHITECTURES
 from hookllm.adapters.llava import ARCHITECTURE as LLAVA
-from hookllm.plugins.contract import ModelProtocol, contract_violations
+from hookllm.plugins.contract import ModelProtocol, capability, contract_violations
 from hookllm.plugins.manager import PluginManager
 
 FRAMEWORK = Path(__file__).resolve().parents[1] / "plugins"
@@ -34,6 +34,20 @@ def test_a_forward_without_inputs_embeds_is_a_violation_naming_it():
 
     assert contract_violations(NoEmbeds)[0] == (
         "NoEmbeds.forward(input_ids, positions) should take (input_ids, positions, inputs_embeds=...)")
+
+
+def test_a_model_class_setting_no_capability_flag_has_the_protocols_defaults():
+    class Plain(torch.nn.Module):
+        def forward(self, input_ids, positions, inputs_embeds=None):
+            return input_ids
+
+        embed_tokens = compute_logits = load_weights = forward
+
+    flags = ("supports_tensor_parallel", "supports_expert_parallel", "supports_quantization", "supports_torch_compile")
+    assert issubclass(Plain, ModelProtocol)
+    assert [capability(Plain, flag) for flag in flags] == [False] * 4
+    llama = PluginManager().registry.resolve("LlamaForCausalLM")
+    assert [capability(llama, flag) for flag in flags] == [True, False, True, False]
 
 
 def runtime_imports(path: Path) -> list[str]:

@@ -337,8 +337,8 @@ from hookllm import hookimpl
 from hookllm.plugins.context import RequestParameters
 
 @hookimpl
-def register_structured_output_backends():
-    return {"fake-json": ["json"]}
+def register_components(components):
+    components.add_structured_output_backend("fake-json", ["json"])
 
 @hookimpl
 def claim_request_parameters():

@@ -42,7 +42,7 @@ def run_mix(llm: LLM, prompts: list[list[int]], abort_every: int = 0) -> dict[st
 
 def assert_no_block_held(llm: LLM) -> None:
     """Every block is free or cached-and-evictable: no reference left, the cache index consistent."""
-    manager = llm.engine.engine_core.block_manager
+    manager = llm.engine.engine_core.scheduler.block_manager
     testing.assert_all_blocks_free(llm)
     assert all(block.ref_count == 0 for block in manager.blocks)
     assert all(manager.blocks[block_id].cache_key == key for key, block_id in manager.cached.items())
@@ -72,7 +72,7 @@ def test_caching_on_and_off_give_the_same_tokens_and_logprobs(make_llm, async_sc
 
 def test_a_shared_block_is_written_only_while_its_one_writer_fills_it(make_llm):
     llm = make_llm(max_num_batched_tokens=24, num_kv_blocks=14)
-    manager, scheduler = llm.engine.engine_core.block_manager, llm.engine.engine_core.scheduler
+    manager, scheduler = llm.engine.engine_core.scheduler.block_manager, llm.engine.engine_core.scheduler
     original = scheduler.schedule
     checked = []
 

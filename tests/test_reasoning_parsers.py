@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from hookllm.bundled.reasoning_parsers import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+from hookllm.plugins.components import ComponentKind
 from hookllm.plugins.reasoning_parser import ReasoningDelta, ReasoningParser
 from hookllm.server.reply_parsing import installed_plugins
 
@@ -65,7 +66,7 @@ def test_reasoning_streams_as_it_comes():
 
 def test_the_bundled_reasoning_parsers_are_installed():
     manager = installed_plugins()
-    assert manager.named_class("register_reasoning_parsers", "qwen3") is Qwen3ReasoningParser
-    assert manager.named_class("register_reasoning_parsers", "deepseek_r1") is DeepSeekR1ReasoningParser
+    assert manager.component(ComponentKind.REASONING_PARSER, "qwen3") is Qwen3ReasoningParser
+    assert manager.component(ComponentKind.REASONING_PARSER, "deepseek_r1") is DeepSeekR1ReasoningParser
     with pytest.raises(ValueError, match="no installed plugin provides a reasoning parser named 'o1'"):
-        manager.named_class("register_reasoning_parsers", "o1")
+        manager.component(ComponentKind.REASONING_PARSER, "o1")

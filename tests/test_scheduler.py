@@ -18,9 +18,9 @@ def _advance(scheduler, batch):
 def test_allocation_rounds_up_to_whole_blocks():
     manager = BlockManager(num_blocks=10, block_size=16)
     r = _request("a", 17)
-    assert manager.allocate_slots(r, 17) and r.block_ids == [[0, 1]]  # one KV cache group: one table
+    assert manager.allocate_slots(r, 17) and manager.block_ids(r) == [[0, 1]]  # one KV cache group: one table
     manager.free(r)
-    assert manager.num_free_blocks == 10 and r.block_ids == []
+    assert manager.num_free_blocks == 10 and manager.block_ids(r) == []
 
 
 def test_block_tables_mirror_block_ids_and_free_rows_are_reused():
@@ -30,20 +30,20 @@ def test_block_tables_mirror_block_ids_and_free_rows_are_reused():
     manager.allocate_slots(b, 100)
     a.num_computed_tokens = 20
     manager.allocate_slots(a, 20)  # grows a's row in place
-    assert manager.block_tables([b, a]).tolist() == [[b.block_ids[0], a.block_ids[0] + [0] * 4]]
+    assert manager.block_tables([b, a]).tolist() == [[manager.block_ids(b)[0], manager.block_ids(a)[0] + [0] * 4]]
     row = a.block_table_row
     manager.free(a)
     c = _request("c", 5)
     manager.allocate_slots(c, 5)
     assert c.block_table_row == row
-    assert manager.block_tables([c]).tolist() == [c.block_ids]
+    assert manager.block_tables([c]).tolist() == [manager.block_ids(c)]
 
 
 def test_allocation_fails_without_side_effects_when_blocks_run_out():
     manager = BlockManager(num_blocks=2, block_size=16)
     r = _request("a", 40)
     assert not manager.allocate_slots(r, 40)
-    assert r.block_ids == [] and manager.num_free_blocks == 2
+    assert manager.block_ids(r) == [] and manager.num_free_blocks == 2
 
 
 def test_token_budget_chunks_a_long_prefill():
@@ -78,7 +78,8 @@ def test_running_out_of_blocks_preempts_the_newest_request():
     _advance(scheduler, scheduler.schedule())  # 2 + 2 blocks: the cache is full
     batch = scheduler.schedule()  # old needs a third block for its decode
     assert batch.preempted_request_ids == ["new"] and batch.request_ids == ["old"]
-    assert new.status is RequestStatus.WAITING and new.num_computed_tokens == 0 and new.block_ids == []
+    assert new.status is RequestStatus.WAITING and new.num_computed_tokens == 0
+    assert scheduler.block_manager.block_ids(new) == []
     assert scheduler.waiting[0] is new  # requeued first, to be recomputed
 
 

@@ -72,8 +72,7 @@ def test_a_long_sequence_holds_at_most_its_window_and_gives_the_rest_back():
     manager = BlockManager(12, BLOCK, enable_prefix_caching=True, group_windows=[WINDOW])
     # Chunks of 20 tokens start off block boundaries: one spans 5 blocks with the 39 tokens before it.
     scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=20)
-    request = Request("long", list(range(2, 102)), testing.greedy(200))
-    request.set_length_limit(512)
+    request = Request("long", list(range(2, 102)), testing.greedy(200), max_num_tokens=300)
     assert manager.num_blocks == 11 and manager.peak_blocks(request.max_num_tokens, 20) == 5
     held = []
 
@@ -87,10 +86,10 @@ def test_a_long_sequence_holds_at_most_its_window_and_gives_the_rest_back():
         # The block table: null entries before the window of the step's first query, live ones after.
         first = max(0, (batch.num_computed_tokens[0] - WINDOW + 1) // BLOCK)
         assert (batch.block_tables[0, 0, :first] == manager.null_block).all()
-        assert batch.block_tables[0, 0, first:len(request.block_ids[0])].tolist() == live
+        assert batch.block_tables[0, 0, first:len(manager.block_ids(request)[0])].tolist() == live
 
     run_alone(scheduler, request, check)
-    assert len(request.block_ids) == 0 and max(held) == 5 and held[-1] <= DECODE_PEAK
+    assert len(manager.block_ids(request)) == 0 and max(held) == 5 and held[-1] <= DECODE_PEAK
     assert manager.num_free_blocks == manager.num_blocks
     assert all(block.ref_count == 0 for block in manager.blocks)
 
@@ -101,14 +100,14 @@ def test_a_prefix_hit_needs_only_the_blocks_its_window_reads():
     prompt = list(range(2, 102))
     first = Request("first", prompt, testing.greedy(4))
     assert manager.allocate_slots(first, 100)
-    blocks = list(first.block_ids[0])
+    blocks = list(manager.block_ids(first)[0])
     first.num_computed_tokens = 100
     manager.free_out_of_window(first)  # the next query (position 100) reads 61..100: blocks 3..6
-    assert first.block_ids == [[manager.null_block] * 3 + blocks[3:]]
+    assert manager.block_ids(first) == [[manager.null_block] * 3 + blocks[3:]]
     assert manager.num_free_blocks == 3
     # Another prompt takes two free blocks: blocks 2 and 1 of the first, freed last (their hashes go).
     other = Request("other", list(range(200, 220)), testing.greedy(4))
-    assert manager.allocate_slots(other, 20) and other.block_ids == [[blocks[2], blocks[1]]]
+    assert manager.allocate_slots(other, 20) and manager.block_ids(other) == [[blocks[2], blocks[1]]]
     # A query at 96 reads 57..96: blocks 3..5, all cached (held by the first request), so 96 tokens hit.
     again = Request("again", prompt + [7], testing.greedy(4))
     assert manager.find_cached_prefix(again) == [(block,) for block in [manager.null_block] * 3 + blocks[3:6]]
@@ -122,10 +121,10 @@ def test_a_prefix_hit_needs_only_the_blocks_its_window_reads():
 def test_without_a_window_block_0_is_an_ordinary_block():
     manager = BlockManager(4, BLOCK)
     request = Request("r", list(range(2, 60)), testing.greedy(4))
-    assert manager.allocate_slots(request, 58) and request.block_ids == [[0, 1, 2, 3]]
+    assert manager.allocate_slots(request, 58) and manager.block_ids(request) == [[0, 1, 2, 3]]
     request.num_computed_tokens = 58
     manager.free_out_of_window(request)
-    assert request.block_ids == [[0, 1, 2, 3]] and manager.num_blocks == 4
+    assert manager.block_ids(request) == [[0, 1, 2, 3]] and manager.num_blocks == 4
 
 
 # -- the engine, against transformers --------------------------------------------------------------
@@ -148,7 +147,7 @@ def watch_blocks(llm: LLM) -> list[SchedulerOutput]:
     """Record every batch, checking as it is scheduled that in each KV cache group each request
     holds only the blocks its window needs (every one without a window) and that no new token
     goes to the null block."""
-    manager = llm.engine.engine_core.block_manager
+    manager = llm.engine.engine_core.scheduler.block_manager
     batches = []
     schedule = llm.engine.engine_core.scheduler.schedule
 
@@ -169,7 +168,7 @@ def watch_blocks(llm: LLM) -> list[SchedulerOutput]:
 
 
 def assert_no_block_held(llm: LLM) -> None:
-    manager = llm.engine.engine_core.block_manager
+    manager = llm.engine.engine_core.scheduler.block_manager
     testing.assert_all_blocks_free(llm)
     assert all(block.ref_count == 0 for block in manager.blocks)
     assert all(manager.blocks[block_id].cache_key == key for key, block_id in manager.cached.items())
@@ -186,7 +185,7 @@ def test_tokens_and_prompt_logprobs_match_transformers_in_a_cache_too_small_for_
         mistral, async_scheduling):
     path, reference, prompts, expected = mistral
     llm = make_llm(path, async_scheduling=async_scheduling, **TIGHT)
-    assert llm.engine.engine_core.block_manager.num_blocks == 7
+    assert llm.engine.engine_core.scheduler.block_manager.num_blocks == 7
     batches = watch_blocks(llm)
     params = dataclasses.replace(testing.greedy(MAX_TOKENS), prompt_logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -285,7 +284,7 @@ def test_a_native_model_mixing_full_and_sliding_layers_frees_its_sliding_groups_
     layers = llm.engine.engine_core.worker.model.model.layers
     assert [layer.self_attn.attn.sliding_window for layer in layers] == [None, WINDOW]
     assert [layer.self_attn.attn.kv_cache_group for layer in layers] == [0, 1]
-    assert llm.engine.engine_core.block_manager.group_windows == (None, WINDOW)
+    assert llm.engine.engine_core.scheduler.block_manager.group_windows == (None, WINDOW)
     batches = watch_blocks(llm)
     testing.assert_greedy_matches(llm, testing.load_reference(path),
                                   testing.random_prompts(2, 320, min_len=60, max_len=90, seed=2), max_tokens=12)

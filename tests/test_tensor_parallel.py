@@ -12,6 +12,7 @@ import pytest
 
 import tp_helpers
 from hookllm import LLM, EngineConfig, SamplingParams, testing
+from hookllm.worker.executor import Executor
 from hookllm.worker.multiproc_executor import WorkerError
 from llava_fixtures import checkpoint, random_image  # noqa: F401 - checkpoint is a module fixture
 
@@ -86,6 +87,7 @@ def test_one_rank_in_a_worker_process_samples_what_the_in_process_worker_does(ch
     in_process = run(cpu_llm(path, **options), PROMPTS, params)
     llm = cpu_llm(path, distributed_executor_backend="mp", **options)
     assert len(llm.engine.engine_core.worker.processes) == 1
+    assert isinstance(llm.engine.engine_core.worker, Executor)
     assert_same_outputs(in_process, run(llm, PROMPTS, params))
 
 

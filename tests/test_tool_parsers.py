@@ -13,6 +13,7 @@ import pytest
 from hookllm import hookimpl
 from hookllm.bundled.reasoning_parsers import Qwen3ReasoningParser
 from hookllm.bundled.tool_parsers import HermesToolParser, Llama3JsonToolParser
+from hookllm.plugins.components import ComponentKind
 from hookllm.plugins.manager import PluginInfo, PluginManager
 from hookllm.plugins.tool_parser import ParsedDelta, ParsedReply, ParsedToolCall, TaggedToolParser, ToolParser
 from hookllm.server.reply_parsing import ReplyParser, installed_plugins
@@ -158,26 +159,26 @@ class CallTagParser(TaggedToolParser):  # docs/plugins.md's example
 class CallTagPlugin:
     @staticmethod
     @hookimpl
-    def register_tool_parsers():
-        return {"calltag": CallTagParser}
+    def register_components(components):
+        components.add_tool_parser("calltag", CallTagParser)
 
 
 def test_a_plugin_parser_is_found_by_name_without_selecting_the_plugin():
     manager = PluginManager({"calltag": PluginInfo("calltag", CallTagPlugin)})
-    assert manager.named_class("register_tool_parsers", "calltag") is CallTagParser
+    assert manager.component(ComponentKind.TOOL_PARSER, "calltag") is CallTagParser
     assert_parses(CallTagParser, 'Sure. <call>get_time {"zone": "CET"}</call>', "Sure.", [TIME_CALL])
 
 
 def test_the_bundled_parsers_are_installed_and_an_unknown_or_doubled_name_is_refused():
-    assert installed_plugins().named_class("register_tool_parsers", "hermes") is HermesToolParser
-    assert installed_plugins().named_class("register_tool_parsers", "llama3_json") is Llama3JsonToolParser
+    assert installed_plugins().component(ComponentKind.TOOL_PARSER, "hermes") is HermesToolParser
+    assert installed_plugins().component(ComponentKind.TOOL_PARSER, "llama3_json") is Llama3JsonToolParser
     with pytest.raises(ValueError, match="no installed plugin provides a tool parser named 'nope'; "
                                          "the tool parsers: .*hermes, llama3_json"):
-        installed_plugins().named_class("register_tool_parsers", "nope")
+        installed_plugins().component(ComponentKind.TOOL_PARSER, "nope")
     twin = type("Twin", (CallTagPlugin,), {})
     manager = PluginManager({"a": PluginInfo("a", CallTagPlugin), "b": PluginInfo("b", twin)})
     with pytest.raises(ValueError, match="'calltag' is registered by several plugins: a, b"):
-        manager.named_class("register_tool_parsers", "calltag")
+        manager.component(ComponentKind.TOOL_PARSER, "calltag")
 
 
 def test_arguments_are_json_text():

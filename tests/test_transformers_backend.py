@@ -134,7 +134,7 @@ def test_tokens_and_prompt_logprobs_equal_transformers(case, async_scheduling):
     # 4 prompts overflow 8 blocks of both layers; 16 blocks of one layer each (hybrid) are as many bytes.
     llm = make_llm(case, max_num_batched_tokens=32, num_kv_blocks=16 if case.hybrid else 8,
                    async_scheduling=async_scheduling)
-    assert (llm.engine.engine_core.block_manager.group_windows == (None, WINDOW)) == case.hybrid
+    assert (llm.engine.engine_core.scheduler.block_manager.group_windows == (None, WINDOW)) == case.hybrid
     model = llm.engine.engine_core.worker.model
     assert isinstance(model, TransformersForCausalLM)
     assert any(layer.sliding_window == WINDOW for layer in model.attention) == case.windowed

@@ -80,7 +80,7 @@ def test_warmup_leaves_no_block_used_no_prefix_cached_and_no_request_in_the_runn
     warm_up(llm.engine.engine_core.worker)
     stats = llm.engine.get_stats()
     assert stats.num_used_blocks == 0 and stats.prefix_cache_queries == 0
-    assert not llm.engine.engine_core.block_manager.cached
+    assert not llm.engine.engine_core.scheduler.block_manager.cached
     runner = llm.engine.engine_core.worker.runner
     assert not runner.requests and not runner.prompt_logprob_ids and not runner.logits_adjuster.slots
 

@@ -10,7 +10,7 @@ def register_models(registry):
 
 
 @hookimpl
-def register_quantization_methods():
+def register_components(components):
     from hookllm.adapters.gpt_oss.mxfp4 import Mxfp4Method
 
-    return {"mxfp4": Mxfp4Method}
+    components.add_quantization_method("mxfp4", Mxfp4Method)

@@ -1,32 +1,25 @@
 """The LLaVA adapter: ``LlavaForConditionalGeneration`` checkpoints in HF format, through hooks only.
 
-- ``register_models``: the architecture name -> the lazy model class.
-- ``load_model``: build the vision tower and projector here, the text decoder from whichever
-  plugin registered ``text_config``'s architecture, and load any HF key layout.
+- ``register_models``: the architecture name -> the lazy model class, a
+  :class:`hookllm.plugins.contract.SupportsMultiModal` model: the core's default ``load_model``
+  builds it around the text decoder registered for ``text_config``, and the core's model runner
+  runs its encoder (once per distinct image) and keeps the embeddings while a request uses them.
 - ``preprocess_request``: expand each ``<image>`` into the image's token rows, record the image.
-- ``prepare_inputs``: encode the images a step needs (once each), scatter them into the embeddings.
 - ``render_content_part``: a chat image part becomes the ``<image>`` placeholder.
-- ``request_finished``: drop cached image embeddings no live request uses any more.
 - ``claim_request_parameters``: it takes ``multi_modal_data["image"]``.
 
 These hooks are model-scoped: they run only when a LLaVA checkpoint is served, so they never
-check the architecture. The encoder cache is per engine (``encoder_cache(context)``). The
-model, open_clip and the image code are imported only when a LLaVA checkpoint is served.
+check the architecture. The model, open_clip and the image code are imported only when a LLaVA
+checkpoint is served.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TYPE_CHECKING
-
-import torch
 
 from hookllm import hookimpl
 from hookllm.entrypoints.chat import RenderedContent
-from hookllm.plugins.context import EngineContext, RequestParameters
-
-if TYPE_CHECKING:
-    from hookllm.adapters.llava.model import EncoderCache
+from hookllm.plugins.context import RequestParameters
 
 ARCHITECTURE = "LlavaForConditionalGeneration"
 # LLaVA-1.5's prompt placeholder: one per image, expanded into the image's token rows.
@@ -42,32 +35,6 @@ def register_models(registry):
 @hookimpl
 def claim_request_parameters():
     return RequestParameters(modalities=("image",))
-
-
-def encoder_cache(context: EngineContext) -> EncoderCache:
-    """This engine's :class:`hookllm.adapters.llava.model.EncoderCache` (made on first use)."""
-    state = context.state_for(__name__)
-    if not hasattr(state, "encoder_cache"):
-        from hookllm.adapters.llava.model import EncoderCache
-
-        state.encoder_cache = EncoderCache()
-    return state.encoder_cache
-
-
-@hookimpl
-def load_model(model_config, device, dtype, registry, context):
-    from hookllm.adapters.llava.model import text_architecture
-    from hookllm.worker.model_loader import building_on, iterate_weights
-
-    hf_config = model_config.hf_config
-    model_cls = registry.resolve(ARCHITECTURE, model_config.plugin)
-    # The decoder's class by the same rule as a checkpoint's: a selected plugin wins a conflict.
-    text_arch = text_architecture(hf_config.text_config)
-    text_model_cls = registry.resolve(text_arch, registry.owner(text_arch, context.config.plugins))
-    with building_on(device, dtype):
-        model = model_cls(hf_config, text_model_cls)
-    model.load_weights(iterate_weights(model_config.path))
-    return model.eval()
 
 
 @hookimpl
@@ -93,44 +60,15 @@ def _image_processor(model_dir: str, image_size: int):
 
 
 @hookimpl
-def preprocess_request(request, tokenizer, model_config):
+def preprocess_request(request, context):
     data = request.multi_modal_data or {}
     unsupported = set(data) - {"image"}
     if unsupported:
         raise ValueError(f"request {request.request_id}: LLaVA takes only images, got {sorted(unsupported)}")
-    from hookllm.adapters.llava.model import image_feature_size
+    from hookllm.adapters.llava.model import LlavaForConditionalGeneration
     from hookllm.adapters.llava.processing import expand_request
 
+    model_config = context.model_config
     hf_config = model_config.hf_config
     processor = _image_processor(model_config.path, hf_config.vision_config.image_size)
-    expand_request(request, tokenizer, hf_config.image_token_index, image_feature_size(hf_config), processor)
-
-
-@hookimpl
-def prepare_inputs(batch, inputs, model, context):
-    # (flat row, request, item, first and last+1 image row) for each image slice in this step.
-    slices = []
-    for i, (request, count) in enumerate(zip(batch.requests, batch.num_scheduled_tokens)):
-        start, end = request.num_computed_tokens, request.num_computed_tokens + count
-        for item in request.mm_items:
-            lo, hi = max(start, item.offset), min(end, item.offset + item.length)
-            if item.modality == "image" and lo < hi:
-                slices.append((inputs.query_start[i] + lo - start, request, item, lo - item.offset, hi - item.offset))
-    if not slices:
-        return
-    cache = encoder_cache(context)
-    missing = {item.content_hash: item for _, _, item, _, _ in slices if item.content_hash not in cache}
-    if missing:
-        pixels = torch.stack([item.data for item in missing.values()]).to(inputs.input_ids.device)
-        for content_hash, embeddings in zip(missing, model.get_image_features(pixels)):
-            cache.add(content_hash, embeddings.clone())  # a view would keep the whole batch alive
-    embeds = model.embed_tokens(inputs.input_ids)
-    for row, request, item, first, last in slices:
-        embeds[row:row + last - first] = cache.use(item.content_hash, request)[first:last].to(embeds.dtype)
-    inputs.inputs_embeds = embeds
-
-
-@hookimpl
-def request_finished(request, context):
-    if request.mm_items:
-        encoder_cache(context).release(request)
+    expand_request(request, context.tokenizer, LlavaForConditionalGeneration.placeholder(hf_config, "image"), processor)

@@ -2,21 +2,23 @@
 
 The text decoder is whatever class the registry holds for ``text_config``'s architecture (the
 Llama adapter's for LLaVA-1.5), so it brings its own paged ``Attention`` layers and weight
-loading. Image embeddings are computed once per distinct image and kept in an
-:class:`EncoderCache` (one per engine, in the plugin's engine state) while a live request uses them.
+loading; the core's default loader passes it in (:class:`SupportsMultiModal`), runs
+``embed_multimodal`` once per distinct image and keeps the embeddings while a live request uses them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
 from hookllm.adapters.llava.vision import CLIPVisionTower
+from hookllm.layers.linear import materialize
+from hookllm.plugins.contract import Placeholder, SupportsMultiModal
+from hookllm.sched.request import MultiModalItem
 from hookllm.worker.model_loader import load_weights_into
-from hookllm.sched.request import Request
 
 TOP_LEVEL = ("language_model.", "vision_tower.", "multi_modal_projector.")
 
@@ -32,19 +34,6 @@ def image_feature_size(config: Any) -> int:
     vision = config.vision_config
     patches = (vision.image_size // vision.patch_size) ** 2
     return patches + (1 if config.vision_feature_select_strategy == "full" else 0)
-
-
-def text_architecture(text_config: Any) -> str:
-    """The decoder's architecture: from its config, else transformers' causal-LM class for its model_type."""
-    architectures = getattr(text_config, "architectures", None)
-    if architectures:
-        return architectures[0]
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    model_type = getattr(text_config, "model_type", None)
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(f"cannot tell the text decoder's architecture (text_config model_type {model_type!r})")
-    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
 
 
 def canonical_name(name: str) -> str:
@@ -80,44 +69,9 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(features)))
 
 
-class EncoderCache:
-    """Image embeddings by content hash, each kept while some live request uses it."""
-
-    def __init__(self) -> None:
-        self.embeddings: dict[str, torch.Tensor] = {}
-        self.users: dict[str, list[Request]] = {}
-
-    def __len__(self) -> int:
-        return len(self.embeddings)
-
-    def __contains__(self, content_hash: str) -> bool:
-        return content_hash in self.embeddings
-
-    def add(self, content_hash: str, embeddings: torch.Tensor) -> None:
-        self.embeddings[content_hash] = embeddings
-        self.users[content_hash] = []
-
-    def use(self, content_hash: str, request: Request) -> torch.Tensor:
-        """The embeddings, recording ``request`` as a user (by identity: ids repeat across engines)."""
-        users = self.users[content_hash]
-        if not any(user is request for user in users):
-            users.append(request)
-        return self.embeddings[content_hash]
-
-    def release(self, request: Request) -> None:
-        """``request`` is done: drop every entry it was the last user of."""
-        for content_hash in {item.content_hash for item in request.mm_items}:
-            users = self.users.get(content_hash)
-            if users is None:
-                continue
-            users[:] = [user for user in users if user is not request]
-            if not users:
-                del self.users[content_hash], self.embeddings[content_hash]
-
-
-class LlavaForConditionalGeneration(nn.Module):
-    # Under tensor parallelism the text decoder is sharded by its own parallel layers (it reads
-    # full tensors here and keeps its slices); the vision tower and projector are replicated.
+class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
+    # Under tensor parallelism the text decoder is sharded by its own parallel layers (they read
+    # their slices of the lazy tensors); the vision tower and projector are replicated.
     supports_tensor_parallel = True
 
     def __init__(self, config: Any, text_model_cls: type[nn.Module]):
@@ -128,6 +82,14 @@ class LlavaForConditionalGeneration(nn.Module):
         self.vision_tower = CLIPVisionTower(config.vision_config, feature_layers(config))
         self.multi_modal_projector = LlavaMultiModalProjector(config)
         self.language_model = text_model_cls(config.text_config)
+
+    @classmethod
+    def placeholder(cls, hf_config: Any, modality: str) -> Placeholder:
+        return Placeholder(hf_config.image_token_index, image_feature_size(hf_config))
+
+    def embed_multimodal(self, items: Sequence[MultiModalItem]) -> torch.Tensor:
+        pixels = torch.stack([item.data for item in items])
+        return self.get_image_features(pixels.to(self.multi_modal_projector.linear_1.weight.device))
 
     def get_image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[n, 3, H, W]`` pixels -> ``[n, image_feature_size, text hidden]`` embeddings."""
@@ -148,7 +110,8 @@ class LlavaForConditionalGeneration(nn.Module):
         return self.language_model.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load either HF key layout; the text decoder's tensors stream through its own loader."""
+        """Load any HF key layout; the text decoder's tensors stream through its own loader, the
+        tower's and projector's are read whole at once (a lazy slice is valid only until the next)."""
         vision: list[tuple[str, torch.Tensor]] = []
         projector: list[tuple[str, torch.Tensor]] = []
         unexpected: list[str] = []
@@ -159,9 +122,9 @@ class LlavaForConditionalGeneration(nn.Module):
                 if canonical.startswith("language_model."):
                     yield canonical.removeprefix("language_model."), tensor
                 elif canonical.startswith("vision_tower."):
-                    vision.append((canonical.removeprefix("vision_tower."), tensor))
+                    vision.append((canonical.removeprefix("vision_tower."), materialize(tensor)))
                 elif canonical.startswith("multi_modal_projector."):
-                    projector.append((canonical.removeprefix("multi_modal_projector."), tensor))
+                    projector.append((canonical.removeprefix("multi_modal_projector."), materialize(tensor)))
                 else:
                     unexpected.append(name)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import functools
-import hashlib
 import io
 import json
 from dataclasses import dataclass
@@ -17,7 +16,9 @@ import torch
 from PIL import Image
 
 from hookllm.adapters.llava import IMAGE_PLACEHOLDER
-from hookllm.sched.request import MultiModalItem, Request
+from hookllm.engine.core_request import EngineCoreRequest
+from hookllm.multimodal import expand_placeholders
+from hookllm.plugins.contract import Placeholder
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -146,7 +147,7 @@ def load_image(image: Any, request_id: str) -> Image.Image:
         raise ValueError(f"request {request_id}: cannot read image: {exc}") from exc
 
 
-def placeholder_ids(request: Request, tokenizer: Any, image_token_id: int) -> list[int]:
+def placeholder_ids(request: EngineCoreRequest, tokenizer: Any, image_token_id: int) -> list[int]:
     """The prompt with one ``image_token_id`` per image placeholder.
 
     The core's tokens already hold them when the prompt was given as token ids or the tokenizer
@@ -168,15 +169,14 @@ def placeholder_ids(request: Request, tokenizer: Any, image_token_id: int) -> li
     return ids
 
 
-def expand_request(
-    request: Request, tokenizer: Any, image_token_id: int, tokens_per_image: int, processor: ImageProcessor
-) -> None:
-    """Replace each placeholder by ``tokens_per_image`` image tokens and record the images in
-    ``request.mm_items``; ValueError (naming the request) when images and placeholders disagree."""
+def expand_request(request: EngineCoreRequest, tokenizer: Any, placeholder: Placeholder,
+                   processor: ImageProcessor) -> None:
+    """Replace each placeholder by the image's ``placeholder.num_rows`` tokens and record the
+    images in ``request.mm_items``; ValueError (naming the request) when images and placeholders disagree."""
     images = request.multi_modal_data.get("image", []) if request.multi_modal_data else []
     images = images if isinstance(images, (list, tuple)) else [images]
-    ids = placeholder_ids(request, tokenizer, image_token_id)
-    num_placeholders = ids.count(image_token_id)
+    ids = placeholder_ids(request, tokenizer, placeholder.token_id)
+    num_placeholders = ids.count(placeholder.token_id)
     if num_placeholders != len(images):
         raise ValueError(
             f"request {request.request_id}: the prompt has {num_placeholders} {IMAGE_PLACEHOLDER} "
@@ -184,14 +184,7 @@ def expand_request(
         )
     if not images:
         return
-    pixels = iter([processor(load_image(image, request.request_id)) for image in images])
-    expanded: list[int] = []
-    for token in ids:
-        if token == image_token_id:
-            data = next(pixels)
-            content_hash = hashlib.sha256(data.numpy().tobytes()).hexdigest()
-            request.mm_items.append(MultiModalItem("image", len(expanded), tokens_per_image, content_hash, data))
-            expanded.extend([image_token_id] * tokens_per_image)
-        else:
-            expanded.append(token)
+    pixels = [processor(load_image(image, request.request_id)) for image in images]
+    expanded, items = expand_placeholders(ids, "image", placeholder, pixels)
+    request.mm_items.extend(items)
     request.reset_prompt(expanded)

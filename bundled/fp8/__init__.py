@@ -9,10 +9,12 @@ plugin hands it the checkpoint's K/V scales. docs/quantization.md has the detail
 """
 
 from hookllm import hookimpl
+from hookllm.plugins.components import Components
 
 
 @hookimpl
-def register_quantization_methods():
+def register_components(components: Components) -> None:
     from hookllm.bundled.fp8.method import CompressedTensorsMethod, Fp8Method
 
-    return {"fp8": Fp8Method, "compressed-tensors": CompressedTensorsMethod}
+    components.add_quantization_method("fp8", Fp8Method)
+    components.add_quantization_method("compressed-tensors", CompressedTensorsMethod)

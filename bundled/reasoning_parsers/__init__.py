@@ -1,6 +1,6 @@
 """Reasoning parsers: a reasoning model's thinking split from its answer, for ``hookllm serve --reasoning-parser``.
 
-The bundled parsers, registered through ``register_reasoning_parsers`` (a hook called on every
+The bundled parsers, registered through ``register_components`` (a hook called on every
 installed plugin, so they need no ``--plugin``):
 
 - ``qwen3``: Qwen3 begins a reply with ``<think>...</think>`` when it thinks; a reply without
@@ -14,8 +14,9 @@ Both subclass the parser API's :class:`~hookllm.plugins.reasoning_parser.ThinkRe
 
 from __future__ import annotations
 
+from hookllm.plugins.components import Components
 from hookllm.plugins.hookspecs import hookimpl
-from hookllm.plugins.reasoning_parser import ReasoningParser, ThinkReasoningParser
+from hookllm.plugins.reasoning_parser import ThinkReasoningParser
 
 
 class Qwen3ReasoningParser(ThinkReasoningParser):
@@ -27,5 +28,6 @@ class DeepSeekR1ReasoningParser(ThinkReasoningParser):
 
 
 @hookimpl
-def register_reasoning_parsers() -> dict[str, type[ReasoningParser]]:
-    return {"qwen3": Qwen3ReasoningParser, "deepseek_r1": DeepSeekR1ReasoningParser}
+def register_components(components: Components) -> None:
+    components.add_reasoning_parser("qwen3", Qwen3ReasoningParser)
+    components.add_reasoning_parser("deepseek_r1", DeepSeekR1ReasoningParser)

@@ -6,7 +6,7 @@ A request asks with ``SamplingParams(structured_outputs=StructuredOutputsParams(
 ``LLM(plugins=["structured"])``. It claims the ``structured_outputs`` parameter
 (``claim_request_parameters``), so a request carrying it without the plugin active is refused
 naming it. When llguidance is installed it registers the ``llguidance`` structured output
-backend, for every kind (``register_structured_output_backends``): ``hookllm serve`` finds it
+backend, for every kind (``register_components``): ``hookllm serve`` finds it
 that way, for ``tool_choice``. Four ordinary hooks do the work:
 
 - ``preprocess_request`` compiles and validates the constraint against the engine's tokenizer
@@ -17,7 +17,7 @@ that way, for ``tool_choice``. Four ordinary hooks do the work:
   main thread while a step is in flight) advances one matcher per constrained request with the
   tokens it has not consumed yet and fills their token bitmasks (in the matcher process); its
   ``apply`` masks the logits in one batched device operation;
-- ``request_finished`` drops the matcher;
+- ``worker_request_finished`` drops the matcher;
 - ``worker_shutdown`` stops the matcher process.
 
 The matchers live in a process of the plugin's own (``matcher_server.py``, started by the first
@@ -39,7 +39,8 @@ from typing import Any
 
 from packaging.version import Version
 
-from hookllm.plugins.context import RequestParameters
+from hookllm.plugins.components import Components
+from hookllm.plugins.context import EngineContext, RequestParameters
 from hookllm.plugins.hookspecs import hookimpl
 from hookllm.sampling_params import STRUCTURED_KINDS
 
@@ -72,13 +73,14 @@ def claim_request_parameters() -> RequestParameters:
 
 
 @hookimpl
-def register_structured_output_backends() -> dict[str, tuple[str, ...]] | None:
+def register_components(components: Components) -> None:
     # Found, not imported: listing the plugin never imports llguidance.
-    return {"llguidance": STRUCTURED_KINDS} if importlib.util.find_spec("llguidance") is not None else None
+    if importlib.util.find_spec("llguidance") is not None:
+        components.add_structured_output_backend("llguidance", STRUCTURED_KINDS)
 
 
 @hookimpl
-def preprocess_request(request: Any, tokenizer: Any, model_config: Any) -> None:
+def preprocess_request(request: Any, context: EngineContext) -> None:
     params = request.sampling_params
     # Unconstrained requests (most, where the server activates the plugin for every request)
     # return before the backend, and llguidance with it, is imported.
@@ -92,7 +94,7 @@ def preprocess_request(request: Any, tokenizer: Any, model_config: Any) -> None:
         raise ValueError(f"request {request.request_id}: {exc}") from None
     if spec is None:
         return
-    compiled = backend.compile_request(request.request_id, spec, tokenizer, model_config)
+    compiled = backend.compile_request(request.request_id, spec, context.tokenizer, context.model_config)
     # The request's own copy of the params, the constraint taken (the engine refuses one left
     # there): the user's object stays as it was.
     extra_args = {key: value for key, value in params.extra_args.items() if key != "structured_outputs"}
@@ -111,7 +113,7 @@ def start_logits_job(batch: Any, context: Any) -> Any:
 
 
 @hookimpl
-def request_finished(request: Any, context: Any) -> None:
+def worker_request_finished(request: Any, context: Any) -> None:
     if COMPILED_KEY in request.sampling_params.extra_args:
         from hookllm.bundled.structured import backend
 

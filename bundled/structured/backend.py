@@ -58,7 +58,7 @@ class _Tracked:
 class EngineState:
     """The plugin's state in one engine, where the model runs."""
 
-    matchers: dict[str, _Tracked] = field(default_factory=dict)  # by request id; dropped in request_finished
+    matchers: dict[str, _Tracked] = field(default_factory=dict)  # by request id; dropped in worker_request_finished
     # Finished requests whose matchers go with the next step's message (appended on the main
     # thread, taken by the job's: a deque's append and popleft are atomic).
     drops: deque[str] = field(default_factory=deque)

@@ -1,6 +1,6 @@
 """Tool parsers: a model's tool calls out of its reply text, for ``hookllm serve --tool-call-parser``.
 
-The bundled parsers, registered through ``register_tool_parsers`` (a hook called on every
+The bundled parsers, registered through ``register_components`` (a hook called on every
 installed plugin, so they need no ``--plugin``):
 
 - ``hermes``: Hermes 2/3, Qwen2.5 and Qwen3 write each call as
@@ -16,8 +16,9 @@ adding a parser would.
 
 from __future__ import annotations
 
+from hookllm.plugins.components import Components
 from hookllm.plugins.hookspecs import hookimpl
-from hookllm.plugins.tool_parser import JsonCallsParser, ParsedToolCall, TaggedToolParser, ToolParser, json_call
+from hookllm.plugins.tool_parser import JsonCallsParser, ParsedToolCall, TaggedToolParser, json_call
 
 
 class HermesToolParser(TaggedToolParser):
@@ -33,5 +34,6 @@ class Llama3JsonToolParser(JsonCallsParser):
 
 
 @hookimpl
-def register_tool_parsers() -> dict[str, type[ToolParser]]:
-    return {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+def register_components(components: Components) -> None:
+    components.add_tool_parser("hermes", HermesToolParser)
+    components.add_tool_parser("llama3_json", Llama3JsonToolParser)

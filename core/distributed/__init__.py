@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hookllm.plugins.contract import capability
+
 _tp_rank = 0
 _tp_size = 1
 _expert_parallel = False
@@ -180,7 +182,7 @@ def check_tensor_parallel(model_cls: type, hf_config: Any, tp_size: int, num_vis
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp_size}")
     if tp_size == 1:
         return
-    if not getattr(model_cls, "supports_tensor_parallel", False):
+    if not capability(model_cls, "supports_tensor_parallel"):
         raise ValueError(
             f"{model_cls.__name__} does not support tensor parallelism (tensor_parallel_size={tp_size}): "
             "its class does not set supports_tensor_parallel = True"

@@ -3,8 +3,11 @@
 The engine steps in a process of its own (``AsyncLLM(config=...)``, the server's way) or on a
 thread of this one (``AsyncLLM(engine)``). Either way the front sends it commands and gets one
 report per step; a reader hands each request's outputs to its ``asyncio.Queue`` with one
-``call_soon_threadsafe`` per event loop per step. Tokenizing, detokenizing and rendering chats
-happen here, with this side's own tokenizer, so they never wait for a step.
+``call_soon_threadsafe`` per event loop per step. The engine side (``LLMEngine``'s input and
+output processors) tokenizes prompts and detokenizes outputs, since stop strings need the text
+as it grows; the deltas it reports carry their text. This side keeps a tokenizer of its own for
+what the server asks outside a request (rendering chats, ``/tokenize``, ``/detokenize``,
+decoding a logprob's token), so those never wait for a step.
 
 A consumer slower than the engine gets the deltas that piled up merged into one output: a
 stream's chunk rate adapts to what its reader can take, and the engine never waits for it.

@@ -16,17 +16,16 @@ from typing import Any
 import msgspec
 
 from hookllm.config import EngineConfig, ModelConfig, resolve_device, text_config_of
+from hookllm.engine.core_request import EngineCoreRequest
 from hookllm.outputs import LogprobsEntry
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.plugins.registry import ModelRegistry
 from hookllm.sampling_params import SamplingParams
 from hookllm.sched.block_manager import BlockManager
 from hookllm.sched.output import SchedulerOutput
-from hookllm.sched.request import Request, RequestStatus
+from hookllm.sched.request import RequestStatus
 from hookllm.sched.scheduler import Scheduler, SchedulerStats
-from hookllm.worker.model_runner import StepOutput
-from hookllm.worker.multiproc_executor import MultiprocWorkers
-from hookllm.worker.worker import Worker
+from hookllm.worker.executor import Executor, StepResult, make_executor
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
@@ -74,15 +73,15 @@ class EngineCore:
                  registry: ModelRegistry, tokenizer: Any | None):
         # One rank: the worker lives here, unless asked to run apart. Several: one process per
         # rank, fed the same snapshots.
-        self.worker = (MultiprocWorkers(config) if config.worker_in_own_process
-                       else Worker(config, model_config, hooks, registry))
-        self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                          self.worker.kv_cache_groups.windows)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+        self.worker: Executor = make_executor(config, model_config, hooks, registry)
+        block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                     self.worker.kv_cache_groups.windows)
+        # Every change to scheduling state (requests, blocks) goes through the scheduler's methods.
+        self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    eos_token_ids(model_config, tokenizer), config.preemption_mode,
                                    self.worker.num_host_blocks)
         # Launched steps whose tokens are not read yet: at most one more than max_in_flight.
-        self.in_flight: deque[tuple[SchedulerOutput, StepOutput]] = deque()
+        self.in_flight: deque[tuple[SchedulerOutput, StepResult]] = deque()
         async_scheduling = config.async_scheduling
         if async_scheduling is None:
             async_scheduling = resolve_device(config.device).type == "cuda"
@@ -100,34 +99,24 @@ class EngineCore:
     def eos_token_ids(self) -> set[int]:
         return self.scheduler.eos_token_ids
 
-    def add_requests(self, request_id: str, requests: list[Request]) -> None:
+    def add_requests(self, request_id: str, requests: list[EngineCoreRequest]) -> None:
         """Queue the engine requests of the user's request ``request_id``: itself, or its ``n``
         children, which share the prompt's cached blocks. ``ValueError`` if together they could
         never fit in the cache."""
-        manager = self.block_manager
-        first = requests[0]
-        needed = manager.blocks_to_fit(requests, self.scheduler.max_num_batched_tokens)
-        if needed > manager.num_blocks:
-            what = (f"prompt plus max_tokens ({first.max_num_tokens} tokens)" if len(requests) == 1 else
-                    f"n={len(requests)} completions of up to {first.max_num_tokens} tokens")
-            raise ValueError(f"request {request_id}: {what} needs {needed} KV blocks, but the cache has only "
-                             f"{manager.num_blocks} blocks of {manager.block_size}")
-        for request in requests:
-            self.scheduler.add(request)
+        self.scheduler.add_requests(request_id, requests)
 
     def retain_blocks(self, request_id: str) -> None:
         """Keep the request's KV blocks once it finishes, for ``fork_request``, until ``release_request``."""
-        self.scheduler.requests[request_id].retain_blocks = True
+        self.scheduler.retain_blocks(request_id)
 
     def fork_request(self, parent_id: str, request_id: str, token_ids: list[int], params: SamplingParams,
-                     max_model_len: int) -> Request:
+                     max_model_len: int) -> EngineCoreRequest:
         """Queue a request continuing the computed tokens of ``parent_id`` (finished, its blocks
         retained) with ``token_ids``, sharing the parent's KV blocks; returns it."""
         parent = self.scheduler.retained[parent_id]
-        child = Request(request_id, parent.all_token_ids[:parent.num_computed_tokens] + list(token_ids), params,
-                        multi_modal_data=parent.multi_modal_data, mm_items=parent.mm_items,
-                        cache_salt=parent.cache_salt)
-        child.retain_blocks = parent.retain_blocks
+        child = EngineCoreRequest(request_id, parent.all_token_ids[:parent.num_computed_tokens] + list(token_ids),
+                                  params, multi_modal_data=parent.multi_modal_data, mm_items=parent.mm_items,
+                                  cache_salt=parent.cache_salt)
         child.set_length_limit(max_model_len)
         self.scheduler.fork(parent_id, child)
         return child
@@ -155,10 +144,7 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing changed) while requests hold KV blocks."""
-        if self.has_unfinished_requests() or self.scheduler.retained:
-            return False
-        self.block_manager.reset_prefix_cache()
-        return True
+        return not self.in_flight and self.scheduler.reset_prefix_cache()
 
     def step(self) -> EngineCoreOutputs:
         """Schedule and launch one batch; return what the last finished step produced.
@@ -179,7 +165,7 @@ class EngineCore:
         self._release_finished_if_idle()
         return outputs
 
-    def _update(self, batch: SchedulerOutput, result: StepOutput) -> EngineCoreOutputs:
+    def _update(self, batch: SchedulerOutput, result: StepResult) -> EngineCoreOutputs:
         """A finished step: the scheduler takes its tokens; each request that advanced reports."""
         token_ids, logprobs = result.resolve()
         prompt_logprobs = result.prompt_logprobs()
@@ -201,10 +187,9 @@ class EngineCore:
 
     def _release_finished_if_idle(self) -> None:
         """Finished requests reach the worker with the next batch; with none coming, send them now
-        (plugins free what they keep per request in ``request_finished``)."""
+        (plugins free what they keep per request in ``worker_request_finished``)."""
         if self.scheduler.finished_request_ids and not self.in_flight and not self.scheduler.has_unfinished():
-            self.worker.execute(SchedulerOutput.empty(self.scheduler.finished_request_ids))
-            self.scheduler.finished_request_ids = []
+            self.worker.execute(SchedulerOutput.empty(self.scheduler.take_finished_request_ids()))
 
     def shutdown(self) -> None:
         """Abort every request and stop the worker (its processes under tensor parallelism)."""

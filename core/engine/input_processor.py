@@ -16,7 +16,7 @@ from hookllm.config import EngineConfig, ModelConfig, text_config_of
 from hookllm.inputs import PromptType
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.sampling_params import SamplingParams
-from hookllm.sched.request import Request
+from hookllm.engine.core_request import EngineCoreRequest
 
 PROMPT_FIELDS = frozenset(("prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"))
 
@@ -37,7 +37,7 @@ class InputProcessor:
         self.max_logprobs = config.max_logprobs if self.vocab_size is None else min(config.max_logprobs,
                                                                                       self.vocab_size)
 
-    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None) -> Request:
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None) -> EngineCoreRequest:
         """The request for ``prompt``: tokenized, preprocessed by the plugins, its limits checked."""
         if not isinstance(request_id, str):
             raise TypeError(
@@ -50,13 +50,12 @@ class InputProcessor:
         params = params or SamplingParams()
         self._check_logprobs(request_id, params)
         request = self._make_request(request_id, prompt, self._resolve_params(request_id, params))
-        self.hooks.hook.preprocess_request(request=request, tokenizer=self.tokenizer, model_config=self.model_config,
-                                           context=self.hooks.context)
+        self.hooks.hook.preprocess_request(request=request, context=self.hooks.context)
         self.hooks.check_claimed(request)
         request.set_length_limit(self.model_config.max_model_len)
         return request
 
-    def fan_out(self, request: Request) -> list[Request]:
+    def fan_out(self, request: EngineCoreRequest) -> list[EngineCoreRequest]:
         """The requests to queue: ``request`` itself, or its ``n`` children, child ``i`` seeded
         ``seed + i`` (the same ``n`` completions alone or in any batch)."""
         params = request.sampling_params
@@ -65,10 +64,7 @@ class InputProcessor:
         children = []
         for i, child_id in enumerate(child_request_ids(request.request_id, params.n)):
             child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            child = Request(child_id, request.prompt_token_ids, child_params, request.prompt,
-                            request.multi_modal_data, request.mm_items, request.cache_salt)
-            child.max_num_tokens = request.max_num_tokens
-            children.append(child)
+            children.append(dataclasses.replace(request, request_id=child_id, sampling_params=child_params))
         return children
 
     def _check_logprobs(self, request_id: str, params: SamplingParams) -> None:
@@ -97,7 +93,7 @@ class InputProcessor:
         params.bad_words_token_ids = spellings
         return params
 
-    def _make_request(self, request_id: str, prompt: Any, params: SamplingParams) -> Request:
+    def _make_request(self, request_id: str, prompt: Any, params: SamplingParams) -> EngineCoreRequest:
         if isinstance(prompt, str):
             prompt = {"prompt": prompt}
         elif isinstance(prompt, (list, tuple)):
@@ -130,5 +126,5 @@ class InputProcessor:
             token_ids = token_ids[-params.truncate_prompt_tokens:]  # vLLM keeps the prompt's end
         if self.vocab_size is not None and any(t < 0 or t >= self.vocab_size for t in token_ids):
             raise ValueError(f"request {request_id}: prompt token ids must be in [0, {self.vocab_size})")
-        return Request(request_id, token_ids, params, prompt=text,
-                       multi_modal_data=prompt.get("multi_modal_data"), cache_salt=prompt.get("cache_salt"))
+        return EngineCoreRequest(request_id, token_ids, params, prompt=text,
+                                 multi_modal_data=prompt.get("multi_modal_data"), cache_salt=prompt.get("cache_salt"))

@@ -2,14 +2,14 @@
 
 The output processor owns each request's front-end state (vLLM's ``RequestState``): its
 detokenizer, text, token ids, logprobs, timing, stop strings and, for ``n > 1``, the group of
-its children. It never reads the scheduler's state: what it knows comes from the request when
-it was added and from :class:`hookllm.engine.core.EngineCoreOutputs`. A stop string is found
-here, in the text; the request is then finished here and its id is returned for the core to
-abort. Streamed text (delta and cumulative outputs) is never taken back: text that could still
+its children. It never reads the scheduler's state: what it knows comes from the request's
+:class:`hookllm.engine.core_request.EngineCoreRequest` when it was added and from
+:class:`hookllm.engine.core.EngineCoreOutputs`. A stop string is found here, in the text; the
+request is then finished here and its id is returned for the core to abort. Streamed text (delta and cumulative outputs) is never taken back: text that could still
 become the start of a stop string is held back until it cannot, so the deltas always
 concatenate to the final text.
 
-When a user's request ends (finished or aborted) the ``request_completed`` hook gets its
+When a user's request ends (finished or aborted) the ``engine_request_finished`` hook gets its
 complete final output, once.
 """
 
@@ -19,12 +19,12 @@ import time
 from typing import Any, Iterable, NamedTuple
 
 from hookllm.engine.core import EngineCoreOutputs
+from hookllm.engine.core_request import EngineCoreRequest
 from hookllm.engine.input_processor import child_request_ids
 from hookllm.engine.stop_strings import StopStringAutomaton, StopStringMatcher
 from hookllm.outputs import CompletionOutput, LogprobsEntry, RequestMetrics, RequestOutput
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.sampling_params import RequestOutputKind
-from hookllm.sched.request import Request
 from hookllm.tokenizer import IncrementalDetokenizer
 
 
@@ -43,7 +43,7 @@ class ParentRequest:
         self.index = {child_id: i for i, child_id in enumerate(self.child_ids)}
         self.output_kind = output_kind
         self.completions: dict[int, CompletionOutput] = {}  # final_only: each finished child's
-        self.final: dict[int, CompletionOutput] = {}  # for request_completed: each ended child's, complete
+        self.final: dict[int, CompletionOutput] = {}  # for engine_request_finished: each ended child's, complete
         self.num_finished = 0
         self.num_cached_tokens = 0  # the best hit among the children (the first computes the prompt)
 
@@ -75,7 +75,7 @@ class RequestState:
                  "text", "logprobs", "cumulative_logprob", "prompt_logprobs", "metrics", "sent_text",
                  "sent_tokens", "finish_reason", "stop_reason", "num_cached_tokens", "stop_matcher")
 
-    def __init__(self, request: Request, parent: ParentRequest | None, tokenizer: Any | None,
+    def __init__(self, request: EngineCoreRequest, parent: ParentRequest | None, tokenizer: Any | None,
                  stop_automaton: StopStringAutomaton | None):
         params = request.sampling_params
         self.request_id = request.request_id
@@ -115,7 +115,8 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}  # by engine request id
         self.parents: dict[str, ParentRequest] = {}  # n > 1, by the user's request id
         # The lifecycle hook's complete outputs are built only when a plugin implements it.
-        self.completed_hook = hooks.hook.request_completed if hooks.hook.request_completed.get_hookimpls() else None
+        self.completed_hook = (hooks.hook.engine_request_finished if hooks.hook.engine_request_finished.get_hookimpls()
+                               else None)
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` names an unfinished user request or engine request."""
@@ -126,7 +127,7 @@ class OutputProcessor:
         ids = [rid for rid, state in self.states.items() if state.parent is None]
         return ids + list(self.parents)
 
-    def add_request(self, request: Request, engine_requests: list[Request]) -> None:
+    def add_request(self, request: EngineCoreRequest, engine_requests: list[EngineCoreRequest]) -> None:
         """Track a user's request, run as ``engine_requests`` (itself, or its ``n`` children)."""
         parent = None
         if engine_requests[0] is not request:

@@ -42,7 +42,7 @@ def render_message_content(content: Any, hooks: Any, model_config: Any, data: di
         if kind == "text":
             pieces.append(part.get("text", ""))
             continue
-        rendered = hooks.hook.render_content_part(part=part, model_config=model_config, context=hooks.context)
+        rendered = hooks.hook.render_content_part(part=part, context=hooks.context)
         if rendered is None:
             raise ValueError(
                 f"no active plugin renders chat content parts of type {kind!r} for "

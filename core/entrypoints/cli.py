@@ -125,14 +125,8 @@ def _stream(llm, requests: list, params, headings: list[str] | None) -> None:
         raise
 
 
-def _registered_key(hook: str) -> str:
-    """The listing's key for what plugins register through ``hook``: ``tool_parsers`` for
-    ``register_tool_parsers``."""
-    return hook.removeprefix("register_")
-
-
 def _run_plugins(args: argparse.Namespace, plugin_manager) -> int:
-    from hookllm.plugins.manager import REGISTRATION_HOOKS
+    from hookllm.plugins.components import ComponentKind
 
     registry = plugin_manager.registry
     fallbacks = registry.fallbacks
@@ -143,8 +137,8 @@ def _run_plugins(args: argparse.Namespace, plugin_manager) -> int:
             "version": info.version,
             "hooks": info.hooks,
             "architectures": info.architectures,
-            # The names of what it registers (tool parsers, quantization methods, ...), by hook.
-            **{_registered_key(hook): sorted(info.registered.get(hook, {})) for hook in REGISTRATION_HOOKS},
+            # The names of what it registers (tool parsers, quantization methods, ...), by kind.
+            **{kind.listing_key: info.components.names(kind) for kind in ComponentKind},
             "error": info.error,
             # Only a plugin that registered a fallback has this key: what the fallback claims.
             **({"fallback": fallbacks[info.name]} if info.name in fallbacks else {}),
@@ -156,7 +150,7 @@ def _run_plugins(args: argparse.Namespace, plugin_manager) -> int:
         return 0
     # A block per plugin, its lists wrapped: a table of them would not fit a terminal.
     lists = {"hooks": "hooks", "architectures": "architectures",
-             **{_registered_key(hook): f"{what}s" for hook, what in REGISTRATION_HOOKS.items()}}
+             **{kind.listing_key: f"{kind.value}s" for kind in ComponentKind}}
     width = max(len(label) for label in lists.values()) + 2
     for r in rows:
         package = f"{r['distribution']} {r['version']}".strip()

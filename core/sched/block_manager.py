@@ -10,8 +10,8 @@ of a fork) gets a private copy first (copy-on-write), which the worker makes bef
 forward.
 
 KV cache groups (``hookllm.worker.kv_cache_groups``): the model's layers are grouped by sliding
-window, and a request holds one block table per group (``request.block_ids[group]``), all the
-same length, one entry per ``block_size`` tokens; the groups draw block ids from one pool. A
+window, and a request holds one block table per group (``block_ids(request)[group]``, a row of
+the manager's ``table``, the one place block ids are kept), all the same length, one entry per ``block_size`` tokens; the groups draw block ids from one pool. A
 model whose layers all share one window (or have none) has one group: the manager then does
 exactly what a single block table does. Prefix caching keys a block by (group, hash): the same
 tokens have one hash but a block per group.
@@ -88,9 +88,11 @@ class BlockManager:
         self.cached: dict[tuple[int, bytes], int] = {}  # (group, block hash) -> block id
         # (source, destination) block pairs the worker must copy before the next step runs.
         self.pending_copies: list[tuple[int, int]] = []
-        # Each request holding blocks owns a row (in every group's plane) mirroring its block_ids,
-        # so a step's block tables are one numpy gather instead of being rebuilt from Python lists.
-        self.table = np.zeros((len(self.group_windows), 0, 0), dtype=np.int32)
+        # The one store of block ids: each request holding blocks owns a row (request.block_table_row)
+        # in every group's plane, its first row_widths[row] entries in use, so a step's block
+        # tables are one numpy gather.
+        self._set_table(np.zeros((len(self.group_windows), 0, 0), dtype=np.int32))
+        self.row_widths: list[int] = []
         self.free_rows: list[int] = []
 
     @property
@@ -142,10 +144,20 @@ class BlockManager:
     def _live(self, block_ids: Sequence[int]) -> list[int]:
         return [block_id for block_id in block_ids if block_id != self.null_block]
 
+    def holds_blocks(self, request: Request) -> bool:
+        """Whether the request has block tables (it may hold blocks now)."""
+        return request.block_table_row is not None
+
+    def block_ids(self, request: Request) -> list[list[int]]:
+        """Per KV cache group, the request's block table: one block per ``block_size`` tokens (in
+        a sliding group, those before its window are the null block); empty while it holds none."""
+        row = request.block_table_row
+        return [] if row is None else self.table[:, row, :self.row_widths[row]].tolist()
+
     def live_block_ids(self, request: Request) -> list[list[int]]:
         """Per group, the blocks the request holds, in order (its table's entries that are not
         null); empty while it holds none."""
-        return [self._live(block_ids) for block_ids in request.block_ids]
+        return [self._live(block_ids) for block_ids in self.block_ids(request)]
 
     # -- prefix cache -------------------------------------------------------------------------
 
@@ -217,8 +229,9 @@ class BlockManager:
         if full <= registered:
             return
         hashes = self.block_hashes(request, full)
-        for group, block_ids in enumerate(request.block_ids):
-            for block_id, block_hash in zip(block_ids[registered:full], hashes[registered:]):
+        columns = self.table[:, request.block_table_row, registered:full].tolist()
+        for group, block_ids in enumerate(columns):
+            for block_id, block_hash in zip(block_ids, hashes[registered:]):
                 if block_id == self.null_block:
                     continue  # out of its window (a request resumed from swap holds none there): not held
                 block, key = self.blocks[block_id], (group, block_hash)
@@ -240,7 +253,7 @@ class BlockManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        cached_blocks: Sequence[tuple[int, ...]] = ()) -> bool:
-        """Grow every group's ``request.block_ids`` to hold its computed tokens, ``cached_blocks``
+        """Grow every group's block table of the request to hold its computed tokens, ``cached_blocks``
         (a prefix-cache hit from :meth:`find_cached_prefix`, taken first, whose tokens the caller
         then counts as computed) and ``num_new_tokens``. In a sliding group, the blocks that fell
         out of the request's window are freed first, so they count as free here.
@@ -250,22 +263,23 @@ class BlockManager:
         if self.window_groups:
             self.free_out_of_window(request)
         size = self.block_size
-        # A request holding no blocks gets its tables only if the allocation succeeds.
-        tables = request.block_ids or [[] for _ in self.group_windows]
+        row = request.block_table_row
+        holding = 0 if row is None else self.row_widths[row]
         end, first = request.num_computed_tokens + num_new_tokens, request.num_computed_tokens // size
         # A block a request writes next is shared only after a fork, which shares every group's
         # block there alike (and the copy-on-write below copies them all): group 0's tells for all.
-        if (num_new_tokens and end <= len(tables[0]) * size and first == (end - 1) // size
-                and self.blocks[tables[0][first]].ref_count == 1):
+        if (num_new_tokens and end <= holding * size and first == (end - 1) // size
+                and self.blocks[self._entries[0, row, first]].ref_count == 1):
             # The usual decode step, for every running request every step: the tokens go into
             # blocks the request alone holds already, so nothing is allocated, copied or rewritten;
             # a block it fills becomes findable (the test spares a call for every other token).
             if self.enable_prefix_caching and end // size > request.num_registered_blocks:
                 self._register_full_blocks(request, end)
             return True
+        # A request holding no blocks gets its tables only if the allocation succeeds.
+        tables = self.block_ids(request) or [[] for _ in self.group_windows]
         computed = request.num_computed_tokens + len(cached_blocks) * size
         total_blocks = self.blocks_needed(computed + num_new_tokens)
-        holding = len(tables[0])
         held = holding + len(cached_blocks)
         # Blocks this step writes that the request holds: those another request also holds (a
         # fork's partial last block) each need a private copy.
@@ -284,7 +298,6 @@ class BlockManager:
                           if self.blocks[block_id].ref_count == 0)
         if wanted > len(self.free_block_ids):
             return False
-        request.block_ids = tables
         if cached_blocks:
             for column in cached_columns:
                 for block_id in self._live(column):
@@ -304,7 +317,7 @@ class BlockManager:
                 block_ids[i] = copy
             for _ in range(total_blocks - len(block_ids)):
                 block_ids.append(self._allocate_free())
-        self._write_row(request, first_changed)
+        self._write_row(request, tables, first_changed)
         if self.enable_prefix_caching:
             self._register_full_blocks(request, computed + num_new_tokens)
         return True
@@ -317,32 +330,31 @@ class BlockManager:
         take them in the next step at the earliest, whose work the device runs after it (freeing
         a finished request's blocks at once relies on the same order).
         """
-        tables = request.block_ids
-        held = len(tables[0]) if tables else 0
+        row = request.block_table_row
+        held = 0 if row is None else self.row_widths[row]
         for window, groups in self.window_groups:
             end = min(self._window_start(window, request.num_computed_tokens), held)
             # Groups of one window free alike, so their null entries are the same: the first
             # group tells whether any has a block to free (usually none: the window has not moved on).
-            if end == 0 or tables[groups[0]][end - 1] == self.null_block:
+            if end == 0 or self._entries[groups[0], row, end - 1] == self.null_block:
                 continue
             for group in groups:
-                block_ids = tables[group]
+                block_ids = self.table[group, row, :end].tolist()
                 i = end - 1
                 # Freed entries are a prefix: walk back from the window to the last one freed before.
                 while i >= 0 and block_ids[i] != self.null_block:
                     self._release(block_ids[i])
-                    block_ids[i] = self.null_block
                     i -= 1
-                self.table[group, request.block_table_row, i + 1:end] = self.null_block
+                self.table[group, row, i + 1:end] = self.null_block
 
     def fork(self, parent: Request, child: Request) -> None:
         """Let ``child`` share every block ``parent`` holds (it continues the parent's tokens)."""
-        for block_ids in self.live_block_ids(parent):
-            for block_id in block_ids:
+        tables = self.block_ids(parent)
+        for block_ids in tables:
+            for block_id in self._live(block_ids):
                 self.blocks[block_id].ref_count += 1
-        child.block_ids = [list(block_ids) for block_ids in parent.block_ids]
         child.num_registered_blocks = parent.num_registered_blocks
-        self._write_row(child, 0)
+        self._write_row(child, tables, 0)
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -372,34 +384,43 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
-    def _write_row(self, request: Request, first: int) -> None:
-        """Mirror every group's block ids from ``first`` on into the request's table row."""
+    def _write_row(self, request: Request, tables: list[list[int]], first: int) -> None:
+        """Store every group's block ids (``tables``, all one length) from ``first`` on in the
+        request's table row, taking a row if it has none."""
         if request.block_table_row is None:
             request.block_table_row = self._take_row()
-        width = len(request.block_ids[0])
+        row, width = request.block_table_row, len(tables[0])
         self._fit_columns(width)
-        for group, block_ids in enumerate(request.block_ids):
-            self.table[group, request.block_table_row, first:width] = block_ids[first:]
+        self.row_widths[row] = width
+        for group, block_ids in enumerate(tables):
+            self.table[group, row, first:width] = block_ids[first:]
 
     def block_tables(self, requests: list[Request]) -> np.ndarray:
         """``[num groups, len(requests), max blocks among them]`` int32: each group's table of
         each request, 0-padded."""
-        width = max((len(r.block_ids[0]) for r in requests), default=0)
-        return self.table[:, [r.block_table_row for r in requests], :width]
+        rows = [r.block_table_row for r in requests]
+        width = max((self.row_widths[row] for row in rows), default=0)
+        return self.table[:, rows, :width]
+
+    def _set_table(self, table: np.ndarray) -> None:
+        self.table = table
+        # Reads one entry as a Python int at half numpy's cost (the decode step reads one per request).
+        self._entries = memoryview(table)
 
     def _take_row(self) -> int:
         if not self.free_rows:
             groups, rows, columns = self.table.shape
             grown = np.zeros((groups, rows + max(rows, 16), columns), dtype=np.int32)
             grown[:, :rows] = self.table
-            self.table = grown
+            self._set_table(grown)
+            self.row_widths += [0] * (grown.shape[1] - rows)
             self.free_rows = list(range(grown.shape[1] - 1, rows - 1, -1))
         return self.free_rows.pop()
 
     def _fit_columns(self, width: int) -> None:
         columns = self.table.shape[2]
         if width > columns:
-            self.table = np.pad(self.table, ((0, 0), (0, 0), (0, max(width - columns, columns, 64))))
+            self._set_table(np.pad(self.table, ((0, 0), (0, 0), (0, max(width - columns, columns, 64)))))
 
     def free(self, request: Request) -> None:
         """Drop the request's reference to each of its blocks (finished, aborted or preempted).
@@ -407,15 +428,16 @@ class BlockManager:
         Its last blocks are freed first (in every group), so they are evicted before the prefix
         others may share.
         """
-        for position in reversed(list(zip(*request.block_ids))):
+        for position in reversed(list(zip(*self.block_ids(request)))):
             for block_id in position:
                 if block_id != self.null_block:
                     self._release(block_id)
-        request.block_ids = []
         request.num_registered_blocks = 0
-        if request.block_table_row is not None:
-            self.table[:, request.block_table_row] = 0
-            self.free_rows.append(request.block_table_row)
+        row = request.block_table_row
+        if row is not None:
+            self.table[:, row] = 0
+            self.row_widths[row] = 0
+            self.free_rows.append(row)
             request.block_table_row = None
 
 

@@ -1,13 +1,16 @@
-"""A request's scheduling state: built by the input processor, owned by the scheduler from admission to finish."""
+"""A request's scheduling state: made by the scheduler from an ``EngineCoreRequest`` and owned by it from admission to finish."""
 
 from __future__ import annotations
 
 import enum
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hookllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hookllm.engine.core_request import EngineCoreRequest
 
 
 class RequestStatus(enum.Enum):
@@ -37,8 +40,8 @@ class MultiModalItem:
 
 @dataclass
 class Request:
-    """Built by the input processor from the user's prompt, adjusted by ``preprocess_request``
-    hooks, then changed only by the scheduler (what each step computes, what its sampled tokens did)."""
+    """Made by the scheduler from the engine core's input (``Scheduler.add_request``) and changed
+    only by the scheduler (what each step computes, what its sampled tokens did)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -46,10 +49,9 @@ class Request:
     prompt: str | None = None
     multi_modal_data: dict[str, Any] | None = None
     mm_items: list[MultiModalItem] = field(default_factory=list)
-    # Mixed into the hash of the request's first KV block (so into every block after it): requests
-    # share cached blocks only when their salts are equal. From the prompt's "cache_salt"; a plugin
-    # whose embeddings or K/V depend on more than the tokens and images sets it in preprocess_request.
-    cache_salt: str | None = None
+    cache_salt: str | None = None  # mixed into its first KV block's hash (EngineCoreRequest.cache_salt)
+    # Prompt plus max_tokens, capped by max_model_len (EngineCoreRequest.set_length_limit).
+    max_num_tokens: int = sys.maxsize
 
     def __post_init__(self) -> None:
         self.output_token_ids: list[int] = []
@@ -60,14 +62,10 @@ class Request:
         self.num_output_placeholders = 0
         # How many of all_token_ids the model runner has been sent (0: it has not seen the request).
         self.num_synced_tokens = 0
-        # Prompt plus max_tokens, capped by max_model_len: set_length_limit sets it once the prompt is final.
-        self.max_num_tokens = sys.maxsize
         self.status = RequestStatus.WAITING
-        # Per KV cache group, its block table: one block per block_size tokens (in a sliding group,
-        # those before its window are freed and their entries are the block manager's null
-        # block); empty while it holds no blocks.
-        self.block_ids: list[list[int]] = []
-        self.block_table_row: int | None = None  # its row in BlockManager.table while it holds blocks
+        # Its row in BlockManager.table (every KV cache group's block table) while it holds blocks:
+        # the block ids themselves are kept there alone (BlockManager.block_ids).
+        self.block_table_row: int | None = None
         self.host_block_ids: list[list[int]] = []  # while swapped: per group, where its blocks' K/V wait, in order
         self.stop_reason: int | str | None = None
         # Prefix caching: SHA-256 digests of the full blocks of all_token_ids (filled lazily by the
@@ -78,11 +76,12 @@ class Request:
         # Keep the blocks after finishing, for forks (beam search), until Scheduler.release.
         self.retain_blocks = False
 
-    def reset_prompt(self, token_ids: list[int]) -> None:
-        """Replace the prompt (a plugin's ``preprocess_request`` expanding placeholders)."""
-        self.prompt_token_ids = list(token_ids)
-        self.all_token_ids = list(token_ids)
-        self.block_hashes = []
+    @classmethod
+    def from_core_request(cls, core_request: EngineCoreRequest) -> Request:
+        """The scheduling state of an engine request, before its first step."""
+        c = core_request
+        return cls(c.request_id, c.prompt_token_ids, c.sampling_params, c.prompt, c.multi_modal_data,
+                   c.mm_items, c.cache_salt, c.max_num_tokens)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -95,18 +94,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status in FINISHED_STATUSES
-
-    def set_length_limit(self, max_model_len: int) -> None:
-        """Check the prompt against ``max_model_len`` and set ``max_num_tokens`` (prompt plus
-        ``max_tokens``, capped by ``max_model_len``); ``ValueError`` naming the request if it cannot run."""
-        rid, n = self.request_id, self.num_prompt_tokens
-        if n == 0:
-            raise ValueError(f"request {rid}: the prompt is empty")
-        if n >= max_model_len:
-            raise ValueError(f"request {rid}: the prompt has {n} tokens, max_model_len is {max_model_len} "
-                             "(it must leave room for at least one output token)")
-        max_tokens = self.sampling_params.max_tokens
-        self.max_num_tokens = min(n + max_tokens, max_model_len) if max_tokens is not None else max_model_len
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -10,17 +10,23 @@ exactly where it was (before any new request is admitted).
 The scheduler owns every change to a request's state: ``schedule`` advances what a step
 computes (with async scheduling the step's sampled token is a placeholder until read back),
 ``update_from_output`` applies the sampled tokens and the stop rules that need no text, and
-``finish_request`` ends a request. A step's batch leaves as a plain :class:`SchedulerOutput`.
+``finish_request`` ends a request. Requests come in as plain ``EngineCoreRequest``s
+(``add_requests``, ``fork``), from which it makes its own :class:`Request`s; others read those
+and never write them. A step's batch leaves as a plain :class:`SchedulerOutput`.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hookllm.sched.block_manager import BlockManager, HostBlockAllocator
 from hookllm.sched.request import Request, RequestStatus
 from hookllm.sched.output import NewRequestData, SchedulerOutput
+
+if TYPE_CHECKING:
+    from hookllm.engine.core_request import EngineCoreRequest
 
 
 @dataclass
@@ -67,6 +73,38 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def add_requests(self, request_id: str, core_requests: list[EngineCoreRequest]) -> None:
+        """Queue the engine requests of the user's request ``request_id``: itself, or its ``n``
+        children, which share the prompt's cached blocks. ``ValueError`` if together they could
+        never fit in the cache."""
+        requests = [Request.from_core_request(core_request) for core_request in core_requests]
+        manager = self.block_manager
+        needed = manager.blocks_to_fit(requests, self.max_num_batched_tokens)
+        if needed > manager.num_blocks:
+            first = requests[0]
+            what = (f"prompt plus max_tokens ({first.max_num_tokens} tokens)" if len(requests) == 1 else
+                    f"n={len(requests)} completions of up to {first.max_num_tokens} tokens")
+            raise ValueError(f"request {request_id}: {what} needs {needed} KV blocks, but the cache has only "
+                             f"{manager.num_blocks} blocks of {manager.block_size}")
+        for request in requests:
+            self.add(request)
+
+    def retain_blocks(self, request_id: str) -> None:
+        """Keep the request's KV blocks once it finishes, for ``fork``, until ``release``."""
+        self.requests[request_id].retain_blocks = True
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while requests hold KV blocks."""
+        if self.has_unfinished() or self.retained:
+            return False
+        self.block_manager.reset_prefix_cache()
+        return True
+
+    def take_finished_request_ids(self) -> list[str]:
+        """The requests finished since the last batch, forgotten here: the caller tells the runner."""
+        finished, self.finished_request_ids = self.finished_request_ids, []
+        return finished
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
@@ -76,10 +114,12 @@ class Scheduler:
                               manager.num_blocks - manager.num_free_blocks, manager.num_blocks,
                               self.prefix_cache_queries, self.prefix_cache_hits, len(self.swapped))
 
-    def fork(self, parent_id: str, child: Request) -> None:
-        """Queue ``child``, which continues the retained request ``parent_id``'s computed tokens,
-        sharing its KV blocks (a block either later writes into is copied first)."""
+    def fork(self, parent_id: str, core_request: EngineCoreRequest) -> None:
+        """Queue ``core_request``, which continues the retained request ``parent_id``'s computed
+        tokens, sharing its KV blocks (a block either later writes into is copied first)."""
         parent = self.retained[parent_id]
+        child = Request.from_core_request(core_request)
+        child.retain_blocks = parent.retain_blocks
         child.num_computed_tokens = parent.num_computed_tokens
         self.block_manager.fork(parent, child)
         self.add(child)
@@ -140,7 +180,7 @@ class Scheduler:
             request = self.waiting[0]
             # A request holding no blocks starts from its longest cached prefix (a fork holds its parent's),
             # unless it asks for prompt logprobs: those are computed only for the tokens it computes.
-            looks_up = (self.block_manager.enable_prefix_caching and not request.block_ids
+            looks_up = (self.block_manager.enable_prefix_caching and not self.block_manager.holds_blocks(request)
                         and request.sampling_params.prompt_logprobs is None)
             hits = self.block_manager.find_cached_prefix(request) if looks_up else []
             num_cached = len(hits) * self.block_manager.block_size
@@ -155,7 +195,7 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             self._start_running(self.waiting, num_new, scheduled, counts)
             budget -= num_new
-        return self._snapshot(scheduled, counts, preempted, swap_out, swap_in)
+        return self._commit_step(scheduled, counts, preempted, swap_out, swap_in)
 
     def _start_running(self, queue: deque[Request], num_new: int, scheduled: list[Request],
                        counts: list[int]) -> None:
@@ -166,10 +206,11 @@ class Scheduler:
         scheduled.append(request)
         counts.append(num_new)
 
-    def _snapshot(self, scheduled: list[Request], counts: list[int], preempted: list[Request],
-                  swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> SchedulerOutput:
-        """The step as data, then the state it leaves: computed tokens advance now, and each
-        request whose chunk reaches its last token gets a placeholder for the token it samples."""
+    def _commit_step(self, scheduled: list[Request], counts: list[int], preempted: list[Request],
+                     swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> SchedulerOutput:
+        """Commit the step and return it as data: computed tokens advance now, each request whose
+        chunk reaches its last token gets a placeholder for the token it samples, and the finished
+        request ids and block copies are taken."""
         new_requests, new_token_ids, sampling_rows = [], [], []
         computed = [r.num_computed_tokens for r in scheduled]
         for row, (request, count) in enumerate(zip(scheduled, counts)):
@@ -183,7 +224,7 @@ class Scheduler:
             if request.num_computed_tokens == request.num_tokens:
                 sampling_rows.append(row)
                 request.num_output_placeholders += 1
-        finished, self.finished_request_ids = self.finished_request_ids, []
+        finished = self.take_finished_request_ids()
         return SchedulerOutput(
             new_requests=new_requests,
             request_ids=[r.request_id for r in scheduled],

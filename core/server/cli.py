@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
+from hookllm.plugins.components import ComponentKind
 from hookllm.engine.arg_utils import DefaultsHelpFormatter, EngineArgs
 from hookllm.logging_config import add_log_level_argument, configure_logging
 from hookllm.utils import join_or_kill
@@ -60,10 +61,10 @@ def add_parsers(subparsers: argparse._SubParsersAction, plugin_parser: argparse.
     serve.add_argument("--api-server-count", type=int, default=1, metavar="N",
                        help="API server processes sharing the port and one engine process: more than one when "
                             "a single process's event loop cannot keep up with the streams")
-    serve.add_argument("--tool-call-parser", metavar="NAME", type=_parser_name("register_tool_parsers"),
+    serve.add_argument("--tool-call-parser", metavar="NAME", type=_parser_name(ComponentKind.TOOL_PARSER),
                        help="find chat replies' tool calls with this parser (bundled: hermes, llama3_json; "
                             "plugins add more), for tool_choice 'auto'")
-    serve.add_argument("--reasoning-parser", metavar="NAME", type=_parser_name("register_reasoning_parsers"),
+    serve.add_argument("--reasoning-parser", metavar="NAME", type=_parser_name(ComponentKind.REASONING_PARSER),
                        help="split chat replies' reasoning into reasoning_content with this parser "
                             "(bundled: qwen3, deepseek_r1; plugins add more)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -85,14 +86,14 @@ def add_parsers(subparsers: argparse._SubParsersAction, plugin_parser: argparse.
             client.add_argument("--system", default=None, help="a system message")
 
 
-def _parser_name(hook: str) -> Any:
-    """An argparse ``type``: a parser name that an installed plugin registers through ``hook``."""
+def _parser_name(kind: ComponentKind) -> Any:
+    """An argparse ``type``: the name of a ``kind`` that an installed plugin registers."""
 
     def checked(name: str) -> str:
         from hookllm.server.reply_parsing import installed_plugins
 
         try:
-            installed_plugins().named_class(hook, name)
+            installed_plugins().component(kind, name)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         return name

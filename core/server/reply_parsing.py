@@ -2,8 +2,8 @@
 then tool calls parsed out of the content (``--tool-call-parser``, or the parsers of
 ``tool_choice: "required"`` and a named function), one choice at a time, whole or as deltas.
 
-The parsers are plugins' (``register_tool_parsers``, ``register_reasoning_parsers``), found by
-name among the installed plugins.
+The parsers are plugins' (registered through ``register_components``), found by name among the
+installed plugins.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from hookllm.plugins.components import ComponentKind
 from hookllm.plugins.manager import PluginManager
 from hookllm.plugins.reasoning_parser import ReasoningDelta, ReasoningParser
 from hookllm.plugins.tool_parser import ParsedDelta, ToolParser
@@ -26,12 +27,12 @@ def installed_plugins() -> PluginManager:
 
 def tool_parser_class(name: str) -> type[ToolParser]:
     """The tool parser an installed plugin registers as ``name`` (``ValueError`` naming those there are)."""
-    return installed_plugins().named_class("register_tool_parsers", name)
+    return installed_plugins().component(ComponentKind.TOOL_PARSER, name)
 
 
 def reasoning_parser_class(name: str) -> type[ReasoningParser]:
     """The reasoning parser an installed plugin registers as ``name`` (``ValueError`` naming those there are)."""
-    return installed_plugins().named_class("register_reasoning_parsers", name)
+    return installed_plugins().component(ComponentKind.REASONING_PARSER, name)
 
 
 @dataclass(frozen=True)

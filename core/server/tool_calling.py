@@ -9,7 +9,7 @@ constrained, and how each reply is parsed (:func:`chat_tools`).
   ``--tool-call-parser`` finds the calls in each reply (without one, a 400);
 - ``"required"`` and a named function ``{"type": "function", "function": {"name": ...}}``: the
   output is constrained to a JSON schema by an active plugin whose structured output backend
-  enforces ``json`` (``register_structured_output_backends``), so the calls always
+  enforces ``json`` (registered through ``register_components``), so the calls always
   exist and their arguments validate against the functions' schemas, on any model (unless
   ``max_tokens`` cuts the reply short). A named
   function's reply is its arguments (the function's ``parameters`` schema); a required reply is

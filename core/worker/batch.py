@@ -2,7 +2,7 @@
 
 The runner rebuilds these from :class:`hookllm.sched.output.SchedulerOutput` snapshots
 alone, so it can live in another process. Hooks (``prepare_inputs``, ``start_logits_job``,
-``process_logits``, ``sample``, ``request_finished``) read them and must not change them.
+``process_logits``, ``sample``, ``worker_request_finished``) read them and must not change them.
 """
 
 from __future__ import annotations

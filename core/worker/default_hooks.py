@@ -6,24 +6,24 @@ from __future__ import annotations
 
 import torch
 
-from hookllm.config import ModelConfig
+from hookllm.plugins.context import EngineContext
 from hookllm.plugins.hookspecs import hookimpl
 from hookllm.plugins.quantization import quantize_model
-from hookllm.plugins.registry import ModelRegistry
 from hookllm.worker import sampler
 from hookllm.worker.batch import Batch
-from hookllm.worker.model_loader import building_on, load_checkpoint
+from hookllm.worker.model_loader import building_on, construct_model, load_checkpoint
 
 
 @hookimpl(trylast=True)
-def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
-               registry: ModelRegistry) -> torch.nn.Module:
-    """Build the registered class on the target device and dtype, give its layers the
+def load_model(device: torch.device, dtype: torch.dtype, context: EngineContext) -> torch.nn.Module:
+    """Build the registered class on the target device and dtype (a multimodal one around its
+    registered text decoder: ``construct_model``), give its layers the
     quantization method's parameters (if any), then load its safetensors (only this rank's
     slices of them under tensor parallelism) or dummy weights."""
+    model_config, registry = context.model_config, context.registry
     model_cls = registry.resolve(model_config.architecture, model_config.plugin)
     with building_on(device, dtype):
-        model = model_cls(model_config.hf_config)
+        model = construct_model(model_cls, model_config.hf_config, registry, context.config.plugins)
         if model_config.quantization is not None:
             quantize_model(model, model_config.quantization)
     load_checkpoint(model, model_config.path, model_config.load_format, model_config.quantization)

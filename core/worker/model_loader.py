@@ -3,7 +3,8 @@
 Two ways to read: `iterate_weights` yields whole tensors (any adapter);
 `iterate_weight_slices` yields lazy safetensors slices, so a tensor-parallel layer's
 ``weight_loader`` reads only its rank's rows or columns. `load_checkpoint` picks between them
-and ``load_format="dummy"`` (random weights, no file read).
+and ``load_format="dummy"`` (random weights, no file read). `construct_model` builds a
+registered class, a multimodal one around its registered text decoder.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from torch import nn
 from hookllm.config import LOAD_FORMATS
 from hookllm.layers.linear import LoadedWeight, loaded_shape, materialize
 from hookllm.layers.norm import RMSNorm
+from hookllm.plugins.contract import capability, is_multimodal
 from hookllm.plugins.quantization import QuantizationMethod, finish_loading
+from hookllm.plugins.registry import ModelRegistry
 
 DUMMY_STD = 0.02
 
@@ -41,6 +44,30 @@ def building_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
             yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def text_architecture(text_config: Any) -> str:
+    """A multimodal checkpoint's decoder architecture: from its config, else transformers'
+    causal-LM class for its model_type."""
+    architectures = getattr(text_config, "architectures", None)
+    if architectures:
+        return architectures[0]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(text_config, "model_type", None)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"cannot tell the text decoder's architecture (text_config model_type {model_type!r})")
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+
+
+def construct_model(model_cls: type, hf_config: Any, registry: ModelRegistry, selected: Iterable[str]) -> nn.Module:
+    """``model_cls(hf_config)``; for a multimodal class (``hookllm.plugins.contract.SupportsMultiModal``)
+    ``model_cls(hf_config, text_model_cls)``, the decoder's class chosen by the same rule as a
+    checkpoint's (a ``selected`` plugin wins a conflict). Builds on the current default device."""
+    if not is_multimodal(model_cls):
+        return model_cls(hf_config)
+    text_arch = text_architecture(hf_config.text_config)
+    return model_cls(hf_config, registry.resolve(text_arch, registry.owner(text_arch, selected)))
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -120,7 +147,7 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path, load_format: str = 
     if load_format == "dummy":
         initialize_dummy_weights(model)
     else:
-        lazy = getattr(model, "supports_tensor_parallel", False)
+        lazy = capability(model, "supports_tensor_parallel")
         weights = iterate_weight_slices(model_dir) if lazy else iterate_weights(model_dir)
         if quantization is not None:
             weights = quantization.checkpoint_tensors(weights, model)

@@ -3,7 +3,8 @@
 The runner keeps a :class:`hookllm.worker.batch.CachedRequestState` per request, rebuilt from the snapshots
 alone: a request's prompt and sampling parameters arrive once, then each step's counts and the
 output tokens it was not sent yet. The per-step path: build inputs on the host in bulk (numpy),
-copy them once, let plugins adjust them (``prepare_inputs``), run the model under the attention
+copy them once, merge a multimodal model's item embeddings (:mod:`hookllm.multimodal.encoder_cache`),
+let plugins adjust them (``prepare_inputs``), run the model under the attention
 metadata, compute logits only for rows that sample, then ``process_logits`` and ``sample``. The
 sampled token ids are the one value read back from the device each step.
 
@@ -25,6 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from hookllm.multimodal.encoder_cache import EncoderRunner
+from hookllm.plugins.contract import is_multimodal
 from hookllm.worker.batch import Batch, LogitsJob, CachedRequestState
 from hookllm.worker.cuda_graph import CudaGraphRunner
 from hookllm.worker.forward_context import AttentionMetadata, set_forward_context
@@ -194,13 +197,17 @@ class ModelRunner:
         # logprob is not reported (a chunk recomputed after a preemption reports nothing twice).
         self.prompt_logprob_ids: dict[str, int] = {}
         self.job_thread: ThreadPoolExecutor | None = None  # runs deferred steps' logits jobs
+        # A multimodal model's encoder and its cache (hookllm.multimodal.encoder_cache).
+        self.encoder = EncoderRunner(model) if is_multimodal(type(model)) else None
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Drop finished requests, add new ones, and apply the step's counts and new tokens."""
         for request_id in scheduler_output.finished_request_ids:
             state = self.requests.pop(request_id, None)
             if state is not None:
-                self.hooks.hook.request_finished(request=state, model=self.model, context=self.hooks.context)
+                self.hooks.hook.worker_request_finished(request=state, model=self.model, context=self.hooks.context)
+                if self.encoder is not None:
+                    self.encoder.release(state)
             self.logits_adjuster.remove(request_id)
             self.prompt_logprob_ids.pop(request_id, None)
         for new in scheduler_output.new_requests:
@@ -296,6 +303,9 @@ class ModelRunner:
     def forward(self, batch: Batch, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, ModelInputs]:
         """Build the inputs, let plugins adjust them, run the model: hidden states of every row."""
         inputs = self.build_inputs(batch, scheduler_output)
+        if self.encoder is not None:
+            inputs.inputs_embeds = self.encoder.input_embeddings(batch.requests, batch.num_scheduled_tokens,
+                                                                 inputs.query_start, inputs.input_ids)
         self.hooks.hook.prepare_inputs(batch=batch, inputs=inputs, model=self.model, context=self.hooks.context)
         graphs = self.cuda_graphs
         if (graphs is not None and inputs.inputs_embeds is None

@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from hookllm.config import EngineConfig
+from hookllm.outputs import LogprobsEntry
 from hookllm.sched.output import SchedulerOutput
 
 READY_TIMEOUT_S = 600.0  # loading a large checkpoint and capturing CUDA graphs takes a while
@@ -107,22 +108,27 @@ class _ResultSender:
                                       if step_output is not None else None))
 
 
+# Rank 0's answer for one step: (token ids, logprobs entries) and the prompt logprobs by request.
+RankAnswer = tuple[tuple[list[int], list[LogprobsEntry | None]], dict[str, list[LogprobsEntry]]]
+
+
 class RemoteStepOutput:
-    """A step running on the ranks: ``resolve`` reads rank 0's answer (they come in step order)."""
+    """A step running on the ranks (a ``StepResult``): ``resolve`` reads rank 0's answer (they
+    come in step order)."""
 
     def __init__(self, workers: "MultiprocWorkers"):
         self.workers = workers
-        self.result: tuple[tuple[list[int], list[Any]], dict[str, Any]] | None = None
+        self.result: RankAnswer | None = None
 
-    def _answer(self) -> tuple[tuple[list[int], list[Any]], dict[str, Any]]:
+    def _answer(self) -> RankAnswer:
         while self.result is None:
             self.workers.receive_next_result()
         return self.result
 
-    def resolve(self) -> tuple[list[int], list[Any]]:
+    def resolve(self) -> tuple[list[int], list[LogprobsEntry | None]]:
         return self._answer()[0]
 
-    def prompt_logprobs(self) -> dict[str, Any]:
+    def prompt_logprobs(self) -> dict[str, list[LogprobsEntry]]:
         return self._answer()[1]
 
     def token_ids(self) -> list[int]:
@@ -130,7 +136,8 @@ class RemoteStepOutput:
 
 
 class MultiprocWorkers:
-    """The driver's handle on ``tensor_parallel_size`` worker processes; used as the engine's worker."""
+    """The driver's handle on ``tensor_parallel_size`` worker processes: the engine's executor
+    (``hookllm.worker.executor.Executor``) when the model runs apart."""
 
     def __init__(self, config: EngineConfig):
         size = config.tensor_parallel_size
@@ -160,7 +167,8 @@ class MultiprocWorkers:
         # For the engine's start-up summary: rank 0's, as every rank builds the same.
         self.startup_seconds, self.quantization_summary = startup_seconds[0], quantization[0]
 
-    def execute(self, scheduler_output: SchedulerOutput, previous: Any = None) -> RemoteStepOutput | None:
+    def execute(self, scheduler_output: SchedulerOutput,
+                previous: RemoteStepOutput | None = None) -> RemoteStepOutput | None:
         """Send the step to every rank. A step that schedules nothing returns None, like a local
         worker; any other returns its answer to come (empty when the step sampled nothing)."""
         message = (scheduler_output, previous is not None)

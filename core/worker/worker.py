@@ -24,7 +24,9 @@ from hookllm.layers.attention import Attention
 from hookllm.worker import default_hooks
 from hookllm.worker.kv_cache_groups import group_layers
 from hookllm.worker.model_runner import ModelRunner, StepOutput
+from hookllm.plugins.components import ComponentKind
 from hookllm.plugins.context import EngineContext
+from hookllm.plugins.contract import capability
 from hookllm.plugins.manager import ActiveHooks, PluginManager
 from hookllm.plugins.quantization import quantized_by, resolve_quantization
 from hookllm.plugins.registry import ModelRegistry
@@ -56,11 +58,11 @@ def resolve_model(config: EngineConfig, plugin_manager: PluginManager) -> tuple[
         check_tensor_parallel(model_cls, model_config.hf_config,
                               config.tensor_parallel_size, torch.cuda.device_count() if device.type == "cuda" else None)
     model_config.quantization = resolve_quantization(
-        model_config, config.quantization, lambda name: plugin_manager.named_class("register_quantization_methods", name))
-    if model_config.quantization is not None and not getattr(model_cls, "supports_quantization", False):
+        model_config, config.quantization, lambda name: plugin_manager.component(ComponentKind.QUANTIZATION_METHOD, name))
+    if model_config.quantization is not None and not capability(model_cls, "supports_quantization"):
         raise ValueError(f"quantization {model_config.quantization.name!r}: {model_config.architecture} served by "
                          f"{owner!r} has no quantizable layers (the native adapters' linear and MoE layers are)")
-    if config.enable_expert_parallel and not getattr(model_cls, "supports_expert_parallel", False):
+    if config.enable_expert_parallel and not capability(model_cls, "supports_expert_parallel"):
         raise ValueError(f"enable_expert_parallel: {model_config.architecture} served by {owner!r} has no "
                          "expert-parallel MoE layers (the native MoE adapters do)")
     active = selected + ([owner] if owner not in selected else [])
@@ -69,6 +71,9 @@ def resolve_model(config: EngineConfig, plugin_manager: PluginManager) -> tuple[
 
 
 class Worker:
+    """The model, its KV cache and its runner in this process: the engine's executor
+    (``hookllm.worker.executor.Executor``) unless the model runs in rank processes."""
+
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Worker":
         """A worker built from the config alone (plugins found again by name), e.g. in another process."""
@@ -91,8 +96,7 @@ class Worker:
         # Seconds of each start-up phase, in order (logged; benchmarks/startup.py reports them).
         self.startup_seconds: dict[str, float] = {}
         phase = self._phase_timer()
-        model = hooks.hook.load_model(model_config=model_config, device=self.device, dtype=self.dtype, registry=registry,
-                                      context=hooks.context)
+        model = hooks.hook.load_model(device=self.device, dtype=self.dtype, context=hooks.context)
         if not isinstance(model, nn.Module):
             raise TypeError(f"{hooks.overriding_plugins('load_model')}: load_model must return "
                             f"a torch.nn.Module, got {type(model).__name__}")
@@ -100,7 +104,7 @@ class Worker:
             raise ValueError(f"{hooks.overriding_plugins('load_model')}: load_model returned a model not built "
                              f"for quantization {model_config.quantization.name!r} (see quantize_model)")
         self.model = model
-        if self.uses_cuda_graphs and config.torch_compile and getattr(model, "supports_torch_compile", False):
+        if self.uses_cuda_graphs and config.torch_compile and capability(model, "supports_torch_compile"):
             model.use_torch_compile()  # compiled by the CUDA-graph warm-up below, before any request
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         if not self.attention_layers:

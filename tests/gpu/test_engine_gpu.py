@@ -35,7 +35,7 @@ def test_defaults_on_cuda_are_bf16_triton_and_a_memory_sized_cache(small_llama):
     assert worker.device.type == "cuda" and worker.dtype == torch.bfloat16
     assert worker.attention_backend.__name__.endswith("triton_attention")
     free, total = torch.cuda.mem_get_info()
-    assert llm.engine.engine_core.block_manager.num_blocks > 1000  # sized from memory, not a default
+    assert llm.engine.engine_core.scheduler.block_manager.num_blocks > 1000  # sized from memory, not a default
     assert free / total < 0.2  # the cache took its share (gpu_memory_utilization=0.9)
 
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from hookllm import LLM, testing
-from hookllm.adapters.llava import encoder_cache
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 from llava_fixtures import (  # noqa: E402
+    encoder_cache,
     prompt_logits_chunked,
     random_image,
     reference_inputs,
@@ -113,5 +113,5 @@ def test_first_greedy_tokens_match_transformers_bf16(llm, small_llava, reference
     assert sum(clear) >= len(clear) // 2, "too few prompts with a clear first token"
     firsts = [o.outputs[0].token_ids[0] for o in outputs]
     assert [t for t, c in zip(firsts, clear) if c] == [t for t, c in zip(expected, clear) if c]
-    assert len(encoder_cache(llm.engine.engine_core.worker.hooks.context)) == 0
+    assert len(encoder_cache(llm.engine)) == 0
     testing.assert_all_blocks_free(llm)

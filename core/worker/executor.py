@@ -1,0 +1,63 @@
+"""What the engine core drives: an executor runs each step's ``SchedulerOutput`` on the model.
+
+Two executors satisfy :class:`Executor`: the in-process :class:`hookllm.worker.worker.Worker`
+and :class:`hookllm.worker.multiproc_executor.MultiprocWorkers` (one spawned process per
+tensor-parallel rank). Either returns, per launched step, a :class:`StepResult`: the one
+step-output type the engine core sees, whether the tokens are on this process's device or
+come back from rank 0.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from hookllm.config import EngineConfig, ModelConfig
+from hookllm.outputs import LogprobsEntry
+from hookllm.plugins.manager import ActiveHooks
+from hookllm.plugins.registry import ModelRegistry
+from hookllm.sched.output import SchedulerOutput
+from hookllm.worker.kv_cache_groups import KVCacheGroups
+from hookllm.worker.multiproc_executor import MultiprocWorkers
+from hookllm.worker.worker import Worker
+
+
+@runtime_checkable
+class StepResult(Protocol):
+    """A launched step whose tokens may not be read yet."""
+
+    def resolve(self) -> tuple[list[int], list[LogprobsEntry | None]]:
+        """One token id per sampling row and its logprobs entry (None if not asked); waits for
+        the step if it still runs."""
+        ...
+
+    def prompt_logprobs(self) -> dict[str, list[LogprobsEntry]]:
+        """By request: one entry per prompt token this step predicted."""
+        ...
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """The model, its KV cache and the steps run on them, in this process or in rank processes."""
+
+    num_kv_blocks: int  # device KV blocks (the smallest rank's)
+    num_host_blocks: int  # swap space, in blocks
+    kv_cache_groups: KVCacheGroups
+    startup_seconds: dict[str, float]  # each start-up phase, in order
+    quantization_summary: str
+
+    def execute(self, scheduler_output: SchedulerOutput, previous: StepResult | None = None) -> StepResult | None:
+        """Launch a step; None when it schedules nothing (a snapshot of finished ids or swaps
+        only). ``previous`` is this executor's result for the step still in flight, if any."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release the KV cache and stop whatever the executor started."""
+        ...
+
+
+def make_executor(config: EngineConfig, model_config: ModelConfig, hooks: ActiveHooks,
+                  registry: ModelRegistry) -> Executor:
+    """The in-process worker, or one process per rank (several ranks, or asked to run apart)."""
+    if config.worker_in_own_process:
+        return MultiprocWorkers(config)
+    return Worker(config, model_config, hooks, registry)
