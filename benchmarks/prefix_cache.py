@@ -120,8 +120,8 @@ def beam_search_vs_transformers(llm, path: Path, args, vocab: int) -> dict:
     ours = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
     synchronize()
     ours_s = time.perf_counter() - start
-    device = llm.engine.engine_core.worker.device
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=llm.engine.engine_core.worker.dtype).to(device).eval()
+    device = llm.engine.engine_core.executor.device
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=llm.engine.engine_core.executor.dtype).to(device).eval()
     theirs, theirs_s, same = [], 0.0, 0
     for prompt, output in zip(prompts, ours):
         ids = torch.tensor([prompt], device=device)

@@ -31,9 +31,9 @@ from hookllm.worker.model_runner import StepOutput  # noqa: E402
 # "forward" contains "build_inputs"; "process outputs" contains "wait for tokens".
 PARTS = {
     "schedule": ("engine_core.scheduler", "schedule"),
-    "forward (build inputs + launch or replay)": ("engine_core.worker.runner", "forward"),
-    "build_inputs": ("engine_core.worker.runner", "build_inputs"),
-    "penalties and biases (launch)": ("engine_core.worker.runner.logits_adjuster", "apply"),
+    "forward (build inputs + launch or replay)": ("engine_core.executor.runner", "forward"),
+    "build_inputs": ("engine_core.executor.runner", "build_inputs"),
+    "penalties and biases (launch)": ("engine_core.executor.runner.logits_adjuster", "apply"),
     "sample hook (launch)": ("hooks.hook", "sample"),
     "process outputs": ("output_processor", "process_outputs"),
     "wait for tokens": (StepOutput, "resolve"),

@@ -59,8 +59,8 @@ def child(checkpoint: str, num_requests: int, warmup: bool) -> None:
 
     start = time.perf_counter()
     llm = LLM(checkpoint, warmup=warmup)
-    row = {"llm_s": time.perf_counter() - start, "warmup_s": llm.engine.engine_core.worker.warmup_seconds,
-           "phases_s": llm.engine.engine_core.worker.startup_seconds,
+    row = {"llm_s": time.perf_counter() - start, "warmup_s": llm.engine.engine_core.executor.warmup_seconds,
+           "phases_s": llm.engine.engine_core.executor.startup_seconds,
            "variants_at_start": compiled_triton_variants(), "calls": []}
     for call in range(1, NUM_CALLS + 1):
         prompts, params = mixed_workload(num_requests, call)

@@ -72,40 +72,46 @@ def random_prompts(num: int, vocab_size: int, min_len: int = 3, max_len: int = 4
 
 
 def prompt_logits(llm: LLM, prompt_token_ids: list[int]) -> torch.Tensor:
-    """hookllm's logits at every prompt position (one prefill through the model runner)."""
-    engine = llm.engine
+    """hookllm's logits at every prompt position (one prefill through the model runner), on the CPU."""
     request = Request("prompt-logits", list(prompt_token_ids), SamplingParams())
     try:
-        hidden_states = forward_chunk(engine, request, request.num_tokens)
-        with torch.inference_mode():
-            return engine.engine_core.worker.model.compute_logits(hidden_states).float().cpu()
+        return forward_chunk(llm.engine, request, request.num_tokens, logits=True)
     finally:
-        release_chunked(engine, request)
+        release_chunked(llm.engine, request)
 
 
-def forward_chunk(engine: Any, request: Request, count: int) -> torch.Tensor:
-    """Run ``request``'s next ``count`` tokens alone through the model runner: their hidden states.
+def forward_chunk(engine: Any, request: Request, count: int, logits: bool = False) -> torch.Tensor:
+    """Run ``request``'s next ``count`` tokens alone through the model runner, under any executor:
+    their hidden states (or logits), rank 0's, on the CPU.
 
     Allocates the KV blocks they need and advances ``num_computed_tokens``; the caller ends
     with :func:`release_chunked`.
     """
-    if not engine.engine_core.scheduler.block_manager.allocate_slots(request, count):
+    block_manager = engine.engine_core.scheduler.block_manager
+    if not block_manager.allocate_slots(request, count):
         raise RuntimeError("not enough free KV blocks for the chunk")
-    runner = engine.engine_core.worker.runner
-    new = ([] if request.request_id in runner.requests else
-           [NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params, request.mm_items)])
+    new = ([NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params, request.mm_items)]
+           if request.num_computed_tokens == 0 else [])
     step = SchedulerOutput(new, [request.request_id], [count], [request.num_computed_tokens], [[]], [],
-                           engine.engine_core.scheduler.block_manager.block_tables([request]))
+                           block_manager.block_tables([request]))
+    output = engine.engine_core.executor.collective_rpc(_forward_on_worker, (step, logits))[0]
+    request.num_computed_tokens += count
+    return output
+
+
+def _forward_on_worker(worker: Any, step: SchedulerOutput, logits: bool) -> torch.Tensor:
+    runner = worker.runner
     runner.update_states(step)
     hidden_states, _ = runner.forward(runner.make_batch(step, None), step)
-    request.num_computed_tokens += count
-    return hidden_states
+    with torch.inference_mode():
+        output = worker.model.compute_logits(hidden_states) if logits else hidden_states
+    return output.float().cpu()
 
 
 def release_chunked(engine: Any, request: Request) -> None:
     """Free what :func:`forward_chunk` runs left: the request's blocks and its runner state."""
     engine.engine_core.scheduler.block_manager.free(request)
-    engine.engine_core.worker.execute(SchedulerOutput.empty([request.request_id]))
+    engine.engine_core.executor.execute(SchedulerOutput.empty([request.request_id]))
 
 
 def record_batches(engine: Any) -> list[SchedulerOutput]:

@@ -373,8 +373,8 @@ def worker_request_finished(request: CachedRequestState, model: torch.nn.Module,
     """A request finished or was aborted: release what the plugin keeps for it where the model lives.
 
     Called in every worker (each tensor-parallel rank), with the request's read-only state and
-    the loaded model, e.g. to drop the request's entries from an encoder cache or its grammar
-    matcher kept in ``context.state_for(...)``. For what the finished request produced (its text,
+    the loaded model, e.g. to drop the request's grammar matcher or a per-request table kept in
+    ``context.state_for(...)``. For what the finished request produced (its text,
     finish reason, metrics) use ``engine_request_finished``, in the engine process::
 
         @hookimpl

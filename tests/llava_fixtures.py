@@ -67,7 +67,7 @@ def reference_greedy(model: LlavaForConditionalGeneration, inputs: dict[str, tor
 
 def encoder_cache(engine):
     """The engine's encoder cache: the core's, in its in-process model runner."""
-    return engine.engine_core.worker.runner.encoder.cache
+    return engine.engine_core.executor.runner.encoder.cache
 
 
 def prompt_logits_chunked(llm, prompt: str, images: list[Image.Image], chunk: int) -> torch.Tensor:
@@ -82,9 +82,7 @@ def prompt_logits_chunked(llm, prompt: str, images: list[Image.Image], chunk: in
     try:
         while request.num_computed_tokens < request.num_tokens:
             count = min(chunk, request.num_tokens - request.num_computed_tokens)
-            hidden_states = testing.forward_chunk(engine, request, count)
-            with torch.inference_mode():
-                logits.append(engine.engine_core.worker.model.compute_logits(hidden_states).float())
+            logits.append(testing.forward_chunk(engine, request, count, logits=True))
     finally:
         testing.release_chunked(engine, request)
     return torch.cat(logits)

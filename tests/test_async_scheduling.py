@@ -128,4 +128,4 @@ def test_a_failing_deferred_step_fails_its_call_and_the_llm_serves_again(make_ll
         llm.generate([PROMPT, "The"], [testing.greedy(1), explode])
     assert llm.generate(PROMPT, testing.greedy(6))[0].outputs[0].token_ids == expected
     testing.assert_all_blocks_free(llm)
-    assert not llm.engine.engine_core.worker.runner.requests
+    assert not llm.engine.engine_core.executor.runner.requests

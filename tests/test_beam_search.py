@@ -30,8 +30,8 @@ def reference_beams(model, prompt: list[int], k: int, max_tokens: int, eos: int 
 def test_beam_search_matches_transformers(make_llm, tiny_llama_reference, k, with_eos):
     llm = make_llm(num_kv_blocks=64)
     copies = []
-    copy_blocks = llm.engine.engine_core.worker.copy_blocks
-    llm.engine.engine_core.worker.copy_blocks = lambda pairs: (copies.extend(pairs), copy_blocks(pairs))
+    copy_blocks = llm.engine.engine_core.executor.copy_blocks
+    llm.engine.engine_core.executor.copy_blocks = lambda pairs: (copies.extend(pairs), copy_blocks(pairs))
     ended_early = False
     for prompt in testing.random_prompts(2, 320, min_len=5, max_len=30, seed=k):
         eos = None

@@ -24,11 +24,11 @@ def _parameter_names(function) -> list[str]:
 
 
 def test_the_in_process_worker_is_an_executor(llm):
-    assert isinstance(llm.engine.engine_core.worker, Executor)
+    assert isinstance(llm.engine.engine_core.executor, Executor)
 
 
 def test_the_in_process_worker_returns_step_results(llm, monkeypatch):
-    worker = llm.engine.engine_core.worker
+    worker = llm.engine.engine_core.executor
     results = []
 
     def recording(*args, **kwargs):

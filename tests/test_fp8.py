@@ -171,7 +171,7 @@ def make_llm(path: Path, **kwargs: Any) -> LLM:
 
 
 def model_of(llm: LLM) -> torch.nn.Module:
-    return llm.engine.engine_core.worker.model
+    return llm.engine.engine_core.executor.model
 
 
 def logprob_distance(llm: LLM, reference: Any) -> float:
@@ -243,9 +243,9 @@ def test_quantization_fp8_stays_near_the_unquantized_model(checkpoints):
 def test_fp8_kv_cache_holds_a_block_per_byte_saved_and_stays_near(checkpoints):
     budget = dict(num_kv_blocks=None, cpu_kv_cache_bytes=1 << 20)
     plain, fp8 = make_llm(checkpoints["plain"], **budget), make_llm(checkpoints["plain"], kv_cache_dtype="fp8", **budget)
-    worker = fp8.engine.engine_core.worker
+    worker = fp8.engine.engine_core.executor
     # The same bytes hold four times the blocks of a float32 cache (twice those of a bf16 one).
-    assert worker.num_kv_blocks == 4 * plain.engine.engine_core.worker.num_kv_blocks
+    assert worker.num_kv_blocks == 4 * plain.engine.engine_core.executor.num_kv_blocks
     assert worker.kv_caches[0][0].dtype == FP8
     # Prompt logprobs read the cache from the second chunk on: prefill in two steps.
     reference = testing.load_reference(checkpoints["plain"])

@@ -153,7 +153,7 @@ def test_tokens_and_prompt_logprobs_equal_transformers(checkpoints, async_schedu
     """As the transformers backend's test of the same name: prompts past the window, 32-token
     prefill chunks, and 16 KV blocks per layer kind for four 40-70-token prompts (preemption)."""
     llm = make_llm(checkpoints.plain, max_num_batched_tokens=32, num_kv_blocks=16, async_scheduling=async_scheduling)
-    model = llm.engine.engine_core.worker.model
+    model = llm.engine.engine_core.executor.model
     assert type(model) is GptOssForCausalLM
     assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [WINDOW, None]
     assert llm.engine.engine_core.scheduler.block_manager.group_windows == (None, WINDOW)
@@ -174,7 +174,7 @@ def test_sinks_and_biases_matter(checkpoints, tmp_path):
 
 def expert_weights(llm: LLM) -> dict[str, torch.Tensor]:
     """The stacked expert parameters hookllm loaded, by checkpoint name."""
-    model = llm.engine.engine_core.worker.model
+    model = llm.engine.engine_core.executor.model
     return {f"model.layers.{i}.mlp.experts.{name}": getattr(layer.mlp.experts, name).detach()
             for i, layer in enumerate(model.model.layers) for name in ("gate_up_proj", "down_proj")}
 
@@ -196,9 +196,9 @@ def test_mxfp4_checkpoint_loads_exactly_the_quantized_values(checkpoints, dtype)
             want = values.transpose(1, 2)
         assert torch.equal(got.float(), want), name
     # Everything else loads as from the plain checkpoint.
-    plain = dict(make_llm(checkpoints.plain, dtype=str(dtype).removeprefix("torch.")).engine.engine_core.worker
+    plain = dict(make_llm(checkpoints.plain, dtype=str(dtype).removeprefix("torch.")).engine.engine_core.executor
                  .model.named_parameters())
-    for name, param in llm.engine.engine_core.worker.model.named_parameters():
+    for name, param in llm.engine.engine_core.executor.model.named_parameters():
         assert torch.equal(param, plain[name]), name
 
 

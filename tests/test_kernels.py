@@ -213,7 +213,7 @@ def test_tiny_model_on_the_triton_backend_matches_transformers_greedy(tiny_llama
     # A small token budget mixes prefill chunks that start after cached context with decodes.
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", attention_backend="triton",
               max_num_batched_tokens=16)
-    assert llm.engine.engine_core.worker.attention_backend is triton_attention
+    assert llm.engine.engine_core.executor.attention_backend is triton_attention
     prompts = testing.random_prompts(3, 320, min_len=4, max_len=30, seed=5)
     testing.assert_greedy_matches(llm, tiny_llama_reference, prompts, max_tokens=6)
 

@@ -146,7 +146,7 @@ def test_tokens_and_prompt_logprobs_equal_transformers_with_blocks_freed(gemma2,
     # 15 usable blocks: the longest request (139 + 8 tokens) holds 10 full blocks and up to 5 sliding ones.
     llm = make_llm(gemma2, max_num_batched_tokens=32, num_kv_blocks=16, async_scheduling=async_scheduling,
                    preemption_mode=preemption_mode, swap_space=0.01)
-    worker = llm.engine.engine_core.worker
+    worker = llm.engine.engine_core.executor
     assert worker.kv_cache_groups == KVCacheGroups((None, WINDOW), ((1, 3), (0, 2)))
     assert [layer.kv_cache_group for layer in worker.attention_layers] == [1, 0, 1, 0]
     batches = watch_blocks(llm)
@@ -203,7 +203,7 @@ def gemma3(tmp_path_factory):
 def test_several_sliding_groups_swap_and_hit_the_prefix_cache_as_transformers_computes(gemma3):
     # 21 usable blocks: the longest request holds 10 full blocks and up to 5 in each sliding group.
     llm = make_llm(gemma3, max_num_batched_tokens=32, num_kv_blocks=22, preemption_mode="swap", swap_space=0.01)
-    assert llm.engine.engine_core.worker.kv_cache_groups == KVCacheGroups((None, WINDOW, WINDOW), ((2,), (0,), (1,)))
+    assert llm.engine.engine_core.executor.kv_cache_groups == KVCacheGroups((None, WINDOW, WINDOW), ((2,), (0,), (1,)))
     batches = watch_blocks(llm)
     requests = [{"prompt_token_ids": p} for p in gemma3.prompts]
     params = SamplingParams(max_tokens=len(gemma3.tokens[0]), temperature=0.0, ignore_eos=True, prompt_logprobs=1)
@@ -227,7 +227,7 @@ def test_a_sequence_too_long_to_keep_every_block_fits(gemma2):
     every_layer_block_bytes = 4 * 2 * 2 * 16 * BLOCK * 4  # layers x (K, V) x kv heads x head dim x tokens x fp32
     llm = make_llm(gemma2, cpu_kv_cache_bytes=12 * every_layer_block_bytes, max_num_batched_tokens=16)
     manager, scheduler = llm.engine.engine_core.scheduler.block_manager, llm.engine.engine_core.scheduler
-    assert llm.engine.engine_core.worker.num_kv_blocks == 24 and manager.num_blocks == 23
+    assert llm.engine.engine_core.executor.num_kv_blocks == 24 and manager.num_blocks == 23
     # 150 + 100 tokens: 16 blocks per group. Kept, that is 16 blocks of all 4 layers (the cache has
     # 12). Freed, at most 16 + 4 are held at once: 31 + 16 tokens straddle 4 sliding blocks.
     assert manager.peak_blocks(250, 16) == 16 + 4
@@ -241,7 +241,7 @@ def test_a_sequence_too_long_to_keep_every_block_fits(gemma2):
         return batch
 
     scheduler.schedule = recording
-    runner = llm.engine.engine_core.worker.runner
+    runner = llm.engine.engine_core.executor.runner
     build_inputs, addresses = runner.build_inputs, []
 
     def aligned_inputs(*args):  # every group's plane 16-byte aligned, like the first's (odd counts included)

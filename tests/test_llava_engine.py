@@ -37,7 +37,7 @@ def image_request(image, prompt=PROMPT):
 
 def count_encoded_images(monkeypatch, llm):
     """Record the batch size of every vision tower call."""
-    tower = llm.engine.engine_core.worker.model.vision_tower
+    tower = llm.engine.engine_core.executor.model.vision_tower
     calls = []
     original = tower.forward
 

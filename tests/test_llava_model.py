@@ -56,14 +56,14 @@ def test_image_features_equal_transformers(tmp_path, overrides):
     with torch.inference_mode():
         # Asked explicitly: with vision_feature_layer=0, transformers 5.24 otherwise gets no hidden states.
         theirs = reference.get_image_features(pixels, output_hidden_states=True).pooler_output[0]
-        ours = make_llm(path).engine.engine_core.worker.model.get_image_features(pixels)[0]
+        ours = make_llm(path).engine.engine_core.executor.model.get_image_features(pixels)[0]
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max() < 1e-5
 
 
 def test_vision_tower_runs_only_the_layers_it_reads(tmp_path):
     path = save_checkpoint(tmp_path, tiny_llava_config(vision_feature_layer=-2))  # of 3 layers
-    tower = make_llm(path).engine.engine_core.worker.model.vision_tower
+    tower = make_llm(path).engine.engine_core.executor.model.vision_tower
     assert len(tower.vit.transformer.resblocks) == 2
 
 

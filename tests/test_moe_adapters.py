@@ -68,7 +68,7 @@ def cases(tmp_path_factory) -> dict[str, backend.Expected]:
 def test_tokens_and_prompt_logprobs_equal_transformers(cases, name, async_scheduling):
     case = cases[name]
     llm = backend.make_llm(case, max_num_batched_tokens=32, num_kv_blocks=8, async_scheduling=async_scheduling)
-    model = llm.engine.engine_core.worker.model
+    model = llm.engine.engine_core.executor.model
     architecture = load_hf_config(case.path).architectures[0]
     assert type(model) is getattr(moe, architecture)  # the native class, not the transformers backend
     assert model.supports_tensor_parallel and model.supports_expert_parallel

@@ -74,11 +74,11 @@ def test_greedy_tokens_equal_transformers_with_images_cut_across_steps(checkpoin
 
 def test_the_core_encodes_each_image_once_and_frees_it(checkpoint, installed_plugin, monkeypatch):
     llm = make_llm(checkpoint, installed_plugin, max_num_batched_tokens=7)
-    model = llm.engine.engine_core.worker.model
+    model = llm.engine.engine_core.executor.model
     encoded = []
     original = model.embed_multimodal
     monkeypatch.setattr(model, "embed_multimodal", lambda items: encoded.append(len(items)) or original(items))
     request = {"prompt": PROMPT, "multi_modal_data": {"image": [IMAGES[0], IMAGES[0]]}}
     llm.generate([request, request], testing.greedy(2))
     assert encoded == [1]  # one distinct image, cut across steps and shared by two requests
-    assert len(llm.engine.engine_core.worker.runner.encoder.cache) == 0
+    assert len(llm.engine.engine_core.executor.runner.encoder.cache) == 0

@@ -119,13 +119,13 @@ def test_penalised_and_plain_requests_share_a_batch(llm):
 def test_requests_without_penalties_allocate_no_penalty_state(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu")
     run(llm)
-    adjuster = llm.engine.engine_core.worker.runner.logits_adjuster
+    adjuster = llm.engine.engine_core.executor.runner.logits_adjuster
     assert adjuster.counts.numel() == 0 and not adjuster.slots
 
 
 def test_finished_requests_free_their_penalty_slots(llm):
     run(llm, repetition_penalty=1.2)
-    adjuster = llm.engine.engine_core.worker.runner.logits_adjuster
+    adjuster = llm.engine.engine_core.executor.runner.logits_adjuster
     assert not adjuster.slots and len(adjuster.free) == adjuster.counts.shape[0] > 0
 
 

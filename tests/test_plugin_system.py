@@ -132,7 +132,7 @@ def test_architecture_registered_by_two_plugins_is_an_error_naming_both(make_plu
 def test_selected_plugin_wins_an_architecture_conflict(make_plugin, make_llm, selected, model_class):
     make_plugin("rival", RIVAL_LLAMA)
     llm = make_llm(plugins=[selected])
-    assert type(llm.engine.engine_core.worker.model).__name__ == model_class
+    assert type(llm.engine.engine_core.executor.model).__name__ == model_class
 
 
 def test_unknown_plugin_name_error_lists_installed_plugins(make_llm):

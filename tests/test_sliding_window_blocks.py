@@ -281,7 +281,7 @@ def test_a_native_model_mixing_full_and_sliding_layers_frees_its_sliding_groups_
     config = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
     path = testing.build_tiny_checkpoint(config, tmp_path)
     llm = make_llm(path, max_num_batched_tokens=32)
-    layers = llm.engine.engine_core.worker.model.model.layers
+    layers = llm.engine.engine_core.executor.model.model.layers
     assert [layer.self_attn.attn.sliding_window for layer in layers] == [None, WINDOW]
     assert [layer.self_attn.attn.kv_cache_group for layer in layers] == [0, 1]
     assert llm.engine.engine_core.scheduler.block_manager.group_windows == (None, WINDOW)

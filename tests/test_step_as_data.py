@@ -22,14 +22,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def record_steps(engine: LLMEngine) -> list[tuple[bytes, list[int] | None]]:
     """Each step's pickled snapshot and the token ids the engine's own worker sampled for it."""
     steps = []
-    execute = engine.engine_core.worker.execute
+    execute = engine.engine_core.executor.execute
 
     def recording(scheduler_output, previous=None):
         result = execute(scheduler_output, previous)
         steps.append((pickle.dumps(scheduler_output), result.token_ids() if result is not None else None))
         return result
 
-    engine.engine_core.worker.execute = recording
+    engine.engine_core.executor.execute = recording
     return steps
 
 

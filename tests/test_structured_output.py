@@ -116,7 +116,7 @@ def test_deferred_steps_give_the_tokens_of_steps_sampled_at_launch(make_llm):
     prompts, params = mixed_batch()
     got = deferred.generate(prompts, params, use_tqdm=False)
     want = inline.generate(prompts, params, use_tqdm=False)
-    assert deferred.engine.engine_core.worker.runner.job_thread is not None  # the deferred path ran
+    assert deferred.engine.engine_core.executor.runner.job_thread is not None  # the deferred path ran
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     # Logprobs to float noise: the two schedules batch the last steps differently.
     assert chosen_logprobs(got) == pytest.approx(chosen_logprobs(want), abs=1e-5)
@@ -146,18 +146,18 @@ def test_masks_are_filled_off_the_runner_thread_while_a_step_is_in_flight(make_l
 def test_an_unconstrained_batch_is_never_deferred(make_llm):
     llm = make_llm(plugins=["structured"], async_scheduling=True)
     deferred = []
-    execute = llm.engine.engine_core.worker.execute
+    execute = llm.engine.engine_core.executor.execute
 
     def recording(scheduler_output, previous=None):
         step = execute(scheduler_output, previous)
         deferred.append(step is not None and step.is_deferred)
         return step
 
-    llm.engine.engine_core.worker.execute = recording
+    llm.engine.engine_core.executor.execute = recording
     llm.generate(["Hello", "The quick brown fox"], SamplingParams(temperature=1.0, seed=0, max_tokens=8),
                  use_tqdm=False)
     assert len(deferred) > 8 and not any(deferred)
-    assert llm.engine.engine_core.worker.runner.job_thread is None
+    assert llm.engine.engine_core.executor.runner.job_thread is None
 
 
 class Sabotage:

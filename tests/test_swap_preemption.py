@@ -79,7 +79,7 @@ def test_swapped_requests_resume_without_recompute(run, prompts, async_schedulin
 
 @SCHEDULING
 def test_tiny_swap_space_falls_back_to_recompute(run, alone, async_scheduling):
-    block_bytes = run(async_scheduling, preemption_mode="swap", swap_space=0.01)[0].engine.engine_core.worker.block_bytes
+    block_bytes = run(async_scheduling, preemption_mode="swap", swap_space=0.01)[0].engine.engine_core.executor.block_bytes
     llm, batches, *outputs = run(async_scheduling, preemption_mode="swap", swap_space=3 * block_bytes / 2**30)
     _, roomy_batches, *_ = run(async_scheduling, preemption_mode="swap", swap_space=0.01)
     assert llm.engine.engine_core.scheduler.host_allocator.num_blocks == 3
@@ -92,7 +92,7 @@ def test_tiny_swap_space_falls_back_to_recompute(run, alone, async_scheduling):
 @SCHEDULING
 @pytest.mark.parametrize("swap_blocks", [3, None], ids=["tiny", "roomy"])
 def test_every_device_and_host_block_is_free_after_draining(run, async_scheduling, swap_blocks):
-    block_bytes = run(async_scheduling, preemption_mode="swap", swap_space=0.01)[0].engine.engine_core.worker.block_bytes
+    block_bytes = run(async_scheduling, preemption_mode="swap", swap_space=0.01)[0].engine.engine_core.executor.block_bytes
     swap_space = 0.01 if swap_blocks is None else swap_blocks * block_bytes / 2**30
     llm = run(async_scheduling, preemption_mode="swap", swap_space=swap_space)[0]
     testing.assert_all_blocks_free(llm)

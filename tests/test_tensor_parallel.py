@@ -12,6 +12,7 @@ import pytest
 
 import tp_helpers
 from hookllm import LLM, EngineConfig, SamplingParams, testing
+from hookllm.sched.output import SchedulerOutput
 from hookllm.worker.executor import Executor
 from hookllm.worker.multiproc_executor import WorkerError
 from llava_fixtures import checkpoint, random_image  # noqa: F401 - checkpoint is a module fixture
@@ -86,9 +87,39 @@ def test_one_rank_in_a_worker_process_samples_what_the_in_process_worker_does(ch
     options = dict(num_kv_blocks=64, async_scheduling=True)
     in_process = run(cpu_llm(path, **options), PROMPTS, params)
     llm = cpu_llm(path, distributed_executor_backend="mp", **options)
-    assert len(llm.engine.engine_core.worker.processes) == 1
-    assert isinstance(llm.engine.engine_core.worker, Executor)
+    assert len(llm.engine.engine_core.executor.processes) == 1
+    assert isinstance(llm.engine.engine_core.executor, Executor)
     assert_same_outputs(in_process, run(llm, PROMPTS, params))
+
+
+@pytest.fixture(scope="module")
+def tp2_llm(checkpoints):
+    """One two-rank engine shared by the tests that only read from it."""
+    llm = cpu_llm(checkpoints["llama-gqa-bias"], num_kv_blocks=64, tensor_parallel_size=2)
+    yield llm
+    llm.shutdown()
+
+
+def test_collective_rpc_calls_every_rank_with_its_arguments(tp2_llm):
+    assert tp2_llm.collective_rpc(tp_helpers.rank_of, args=(10,)) == [10, 11]
+    # By name: a step that schedules nothing returns None on each rank.
+    assert tp2_llm.collective_rpc("execute", args=(SchedulerOutput.empty([]),)) == [None, None]
+
+
+def test_a_failing_collective_rpc_is_an_error_naming_the_rank_and_the_ranks_serve_on(tp2_llm):
+    with pytest.raises(RuntimeError, match="(?s)collective_rpc failed on rank 0: .*no_such_method"):
+        tp2_llm.collective_rpc("no_such_method")
+    assert tp2_llm.collective_rpc(tp_helpers.rank_of) == [0, 1]
+
+
+def test_apply_model_runs_on_each_ranks_shard(tp2_llm):
+    assert tp2_llm.apply_model(tp_helpers.embedding_rows) == [160, 160]  # 320 rows split in two
+
+
+def test_the_testing_kit_reads_prompt_logits_from_the_ranks(tp2_llm, checkpoints):
+    reference = testing.load_reference(checkpoints["llama-gqa-bias"])
+    testing.assert_prefill_logits_match(tp2_llm, reference, PROMPTS[0])
+    testing.assert_all_blocks_free(tp2_llm)
 
 
 def test_the_in_process_backend_with_several_ranks_is_refused():
@@ -106,10 +137,10 @@ def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(checkpoints):
     engine = llm.engine
     engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=200, ignore_eos=True))
     engine.step()
-    os.kill(engine.engine_core.worker.processes[1].pid, signal.SIGKILL)
+    os.kill(engine.engine_core.executor.processes[1].pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(WorkerError, match="rank 1"):
         for _ in range(400):
             engine.step()
     assert time.monotonic() - start < 30
-    assert not engine.engine_core.worker.processes  # every rank was stopped
+    assert not engine.engine_core.executor.processes  # every rank was stopped

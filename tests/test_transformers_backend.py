@@ -135,7 +135,7 @@ def test_tokens_and_prompt_logprobs_equal_transformers(case, async_scheduling):
     llm = make_llm(case, max_num_batched_tokens=32, num_kv_blocks=16 if case.hybrid else 8,
                    async_scheduling=async_scheduling)
     assert (llm.engine.engine_core.scheduler.block_manager.group_windows == (None, WINDOW)) == case.hybrid
-    model = llm.engine.engine_core.worker.model
+    model = llm.engine.engine_core.executor.model
     assert isinstance(model, TransformersForCausalLM)
     assert any(layer.sliding_window == WINDOW for layer in model.attention) == case.windowed
     assert_answers_as_transformers(llm, case.prompts, case.tokens, case.logprobs)
@@ -166,8 +166,8 @@ def test_llama_through_transformers_equals_the_native_adapter(tmp_path):
     path = testing.build_tiny_checkpoint(LlamaConfig(**small(tie_word_embeddings=True)), tmp_path)
     native = LLM(str(path), dtype="float32", device="cpu", model_impl="native")
     backend = LLM(str(path), dtype="float32", device="cpu", model_impl="transformers")
-    assert type(backend.engine.engine_core.worker.model) is TransformersForCausalLM
-    assert type(native.engine.engine_core.worker.model).__name__ == "LlamaForCausalLM"
+    assert type(backend.engine.engine_core.executor.model) is TransformersForCausalLM
+    assert type(native.engine.engine_core.executor.model).__name__ == "LlamaForCausalLM"
     prompt = testing.random_prompts(1, VOCAB, min_len=30, max_len=30, seed=9)[0]
     torch.testing.assert_close(testing.prompt_logits(backend, prompt), testing.prompt_logits(native, prompt),
                                atol=1e-4, rtol=0)
@@ -265,7 +265,7 @@ def test_a_dropped_engine_frees_its_model_though_the_model_holds_reference_cycle
     import weakref
 
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", model_impl="transformers")
-    model = weakref.ref(llm.engine.engine_core.worker.model)
+    model = weakref.ref(llm.engine.engine_core.executor.model)
     del llm
     gc.collect()
     assert model() is None
@@ -311,7 +311,7 @@ def test_rms_norms_hookllm_computes_alike_run_on_its_kernel(name, swapped, tmp_p
     """Llama's RMSNorm modules become hookllm's one-kernel RMSNorm; Gemma's (``1 + weight``)
     computes something else and keeps its own."""
     path = testing.build_tiny_checkpoint(CASES[name].config(), tmp_path / name)
-    model = LLM(str(path), dtype="float32", device="cpu", model_impl="transformers").engine.engine_core.worker.model
+    model = LLM(str(path), dtype="float32", device="cpu", model_impl="transformers").engine.engine_core.executor.model
     norms = [type(m) for m in model.hf_model.modules() if type(m).__name__.endswith("RMSNorm")]
     assert norms and all((cls is RMSNorm) == swapped for cls in norms)
 
@@ -322,7 +322,7 @@ def test_logits_skip_the_causal_lm_forward_only_when_it_adds_nothing_to_the_head
     """The CausalLM forward (about a decode step's host time) runs only for a model that changes
     its head's logits: Gemma 2's final soft-cap, Cohere's logit scale, Granite's scaling."""
     path = testing.build_tiny_checkpoint(CASES[name].config(), tmp_path / name)
-    model = LLM(str(path), dtype="float32", device="cpu", model_impl="transformers").engine.engine_core.worker.model
+    model = LLM(str(path), dtype="float32", device="cpu", model_impl="transformers").engine.engine_core.executor.model
     assert (model._plain_head is not None) == head_alone
 
 
@@ -341,7 +341,7 @@ def test_torch_compile_traces_each_dense_decoder_whole_around_the_attention_oper
     path = testing.build_tiny_checkpoint(CASES[name].config(), tmp_path / name)
     eager = LLM(str(path), dtype="float32", device="cpu", model_impl="transformers")
     compiled = LLM(str(path), dtype="float32", device="cpu", model_impl="transformers")
-    compiled.engine.engine_core.worker.model.use_torch_compile(backend="eager")
+    compiled.engine.engine_core.executor.model.use_torch_compile(backend="eager")
     torch._dynamo.reset()
     counters.clear()
     for prompt in testing.random_prompts(2, VOCAB, min_len=3, max_len=40, seed=12):
@@ -355,5 +355,5 @@ def test_gated_mlps_run_gate_and_up_as_one_matmul(name, fused, tmp_path):
     """Llama's and Gemma's gated MLPs (SiLU, GELU) stack gate and up into one weight; GPT-NeoX's
     MLP has no gate and stays as transformers wrote it. (The tokens are checked in the tests above.)"""
     path = testing.build_tiny_checkpoint(CASES[name].config(), tmp_path / name)
-    model = LLM(str(path), dtype="float32", device="cpu", model_impl="transformers").engine.engine_core.worker.model
+    model = LLM(str(path), dtype="float32", device="cpu", model_impl="transformers").engine.engine_core.executor.model
     assert sum(isinstance(m, FusedGatedMLP) for m in model.hf_model.modules()) == fused

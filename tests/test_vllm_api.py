@@ -155,7 +155,7 @@ def test_uncached_hub_id_is_a_one_line_error(tmp_path, monkeypatch):
 def test_shutdown_and_cleanup_free_the_kv_cache(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=8)
     llm.generate([PROMPT], testing.greedy(2), use_tqdm=False)
-    caches = [weakref.ref(layer.k_cache) for layer in llm.engine.engine_core.worker.attention_layers]
+    caches = [weakref.ref(layer.k_cache) for layer in llm.engine.engine_core.executor.attention_layers]
     llm.shutdown()
     cleanup_dist_env_and_memory()
     gc.collect()

@@ -77,11 +77,11 @@ def test_warmup_runs_each_filter_variant_alone_at_both_alignments_of_the_paramet
 
 def test_warmup_leaves_no_block_used_no_prefix_cached_and_no_request_in_the_runner(make_llm):
     llm = make_llm(**LIMITS)
-    warm_up(llm.engine.engine_core.worker)
+    warm_up(llm.engine.engine_core.executor)
     stats = llm.engine.get_stats()
     assert stats.num_used_blocks == 0 and stats.prefix_cache_queries == 0
     assert not llm.engine.engine_core.scheduler.block_manager.cached
-    runner = llm.engine.engine_core.worker.runner
+    runner = llm.engine.engine_core.executor.runner
     assert not runner.requests and not runner.prompt_logprob_ids and not runner.logits_adjuster.slots
 
 
@@ -91,7 +91,7 @@ def test_generation_after_the_warmup_equals_an_engine_without_it(make_llm):
               SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True),
               SamplingParams(max_tokens=8, temperature=0.7, top_p=0.8, presence_penalty=0.5, ignore_eos=True)]
     warmed, plain = make_llm(**LIMITS), make_llm(**LIMITS)
-    warm_up(warmed.engine.engine_core.worker)
+    warm_up(warmed.engine.engine_core.executor)
 
     def run(llm):
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -102,12 +102,12 @@ def test_generation_after_the_warmup_equals_an_engine_without_it(make_llm):
 def test_warmup_logs_its_step_count_and_time(make_llm, caplog):
     llm = make_llm(**LIMITS)
     with caplog.at_level(logging.INFO, logger="hookllm.worker.warmup"):
-        seconds = warm_up(llm.engine.engine_core.worker)
+        seconds = warm_up(llm.engine.engine_core.executor)
     assert f"steps in {seconds:.2f} s" in caplog.text
 
 
 def test_a_cpu_engine_starts_without_the_warmup(make_llm):
-    assert make_llm(**LIMITS).engine.engine_core.worker.warmup_seconds is None
+    assert make_llm(**LIMITS).engine.engine_core.executor.warmup_seconds is None
 
 
 def test_no_warmup_flag_turns_it_off():

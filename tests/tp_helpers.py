@@ -257,3 +257,13 @@ def custom_all_reduce_model_worker(rank: int, world_size: int, init_method: str,
                    Path(out_dir) / f"rank{rank}.pt")
     finally:
         cleanup_dist_env_and_memory()
+
+
+def rank_of(worker: Any, offset: int = 0) -> int:
+    """A function for ``collective_rpc``: the calling rank (plus ``offset``, to show arguments arrive)."""
+    return torch.distributed.get_rank() + offset if torch.distributed.is_initialized() else offset
+
+
+def embedding_rows(model: torch.nn.Module) -> int:
+    """A function for ``apply_model``: this rank's rows of the input embedding (its vocabulary shard)."""
+    return model.model.embed_tokens.weight.shape[0]

@@ -19,7 +19,6 @@ from hookllm.config import EngineConfig, ModelConfig, resolve_device, text_confi
 from hookllm.engine.core_request import EngineCoreRequest
 from hookllm.outputs import LogprobsEntry
 from hookllm.plugins.manager import ActiveHooks
-from hookllm.plugins.registry import ModelRegistry
 from hookllm.sampling_params import SamplingParams
 from hookllm.sched.block_manager import BlockManager
 from hookllm.sched.output import SchedulerOutput
@@ -69,17 +68,16 @@ def eos_token_ids(model_config: ModelConfig, tokenizer: Any | None) -> set[int]:
 class EngineCore:
     """The scheduler, the KV blocks and the worker (or the rank processes) of one engine."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, hooks: ActiveHooks,
-                 registry: ModelRegistry, tokenizer: Any | None):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, hooks: ActiveHooks, tokenizer: Any | None):
         # One rank: the worker lives here, unless asked to run apart. Several: one process per
         # rank, fed the same snapshots.
-        self.worker: Executor = make_executor(config, model_config, hooks, registry)
-        block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                     self.worker.kv_cache_groups.windows)
+        self.executor: Executor = make_executor(config, model_config, hooks)
+        block_manager = BlockManager(self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                     self.executor.kv_cache_groups.windows)
         # Every change to scheduling state (requests, blocks) goes through the scheduler's methods.
         self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    eos_token_ids(model_config, tokenizer), config.preemption_mode,
-                                   self.worker.num_host_blocks)
+                                   self.executor.num_host_blocks)
         # Launched steps whose tokens are not read yet: at most one more than max_in_flight.
         self.in_flight: deque[tuple[SchedulerOutput, StepResult]] = deque()
         async_scheduling = config.async_scheduling
@@ -156,7 +154,7 @@ class EngineCore:
         previous = self.in_flight[-1][1] if self.in_flight else None
         # A step may only swap out (its one request could not grow): the worker still copies.
         needs_worker = not batch.is_empty() or batch.finished_request_ids or batch.swap_out
-        result = self.worker.execute(batch, previous) if needs_worker else None
+        result = self.executor.execute(batch, previous) if needs_worker else None
         if result is not None:
             self.in_flight.append((batch, result))
         outputs = NO_OUTPUTS
@@ -189,10 +187,10 @@ class EngineCore:
         """Finished requests reach the worker with the next batch; with none coming, send them now
         (plugins free what they keep per request in ``worker_request_finished``)."""
         if self.scheduler.finished_request_ids and not self.in_flight and not self.scheduler.has_unfinished():
-            self.worker.execute(SchedulerOutput.empty(self.scheduler.take_finished_request_ids()))
+            self.executor.execute(SchedulerOutput.empty(self.scheduler.take_finished_request_ids()))
 
     def shutdown(self) -> None:
         """Abort every request and stop the worker (its processes under tensor parallelism)."""
         self.abort_requests(list(self.scheduler.requests))
         self.in_flight.clear()
-        self.worker.shutdown()
+        self.executor.shutdown()

@@ -49,8 +49,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.hooks.context.tokenizer = self.tokenizer
         self.input_processor = InputProcessor(config, self.model_config, self.tokenizer, self.hooks)
-        self.engine_core = EngineCore(config, self.model_config, self.hooks, self.plugin_manager.registry,
-                                      self.tokenizer)
+        self.engine_core = EngineCore(config, self.model_config, self.hooks, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.hooks)
         logger.info("%s", startup_summary(self, time.perf_counter() - started))
 
@@ -179,7 +178,7 @@ class LLMEngine:
 def startup_summary(engine: LLMEngine, seconds: float) -> str:
     """The start-up log's block: what ``engine`` serves and with what limits, one ``name: value``
     line each (the names are the settings' own where there is one)."""
-    config, model_config, worker = engine.config, engine.model_config, engine.engine_core.worker
+    config, model_config, worker = engine.config, engine.model_config, engine.engine_core.executor
     phases = worker.startup_seconds
     graphs = phases.get("cuda_graphs")
     dtype = str(model_config.dtype).removeprefix("torch.")

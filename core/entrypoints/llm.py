@@ -6,7 +6,8 @@ import dataclasses
 import itertools
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from functools import partial
+from typing import Any, Callable, Sequence
 
 from hookllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from hookllm.entrypoints.chat import render_chat
@@ -57,6 +58,16 @@ class LLM:
         """Forget every cached prefix (vLLM's call, e.g. between benchmark runs); False, changing
         nothing, while requests still hold KV blocks."""
         return self.engine.reset_prefix_cache()
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's call: run a worker method by name, or ``method(worker, *args, **kwargs)``, on
+        every rank (under tensor parallelism the function must pickle); results in rank order."""
+        return self.engine.engine_core.executor.collective_rpc(method, args, kwargs)
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """``func(model)`` on every rank's model (vLLM's call); results in rank order."""
+        return self.collective_rpc(partial(_apply_to_model, func))
 
     def _generation_config_defaults(self, generation_config: str) -> dict[str, Any]:
         if generation_config == "vllm":
@@ -169,3 +180,7 @@ class LLM:
             if progress is not None:
                 progress.close()
         return [finished[request_id] for request_id in request_ids]
+
+
+def _apply_to_model(func: Callable[[Any], Any], worker: Any) -> Any:
+    return func(worker.model)

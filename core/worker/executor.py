@@ -9,12 +9,11 @@ come back from rank 0.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from hookllm.config import EngineConfig, ModelConfig
 from hookllm.outputs import LogprobsEntry
 from hookllm.plugins.manager import ActiveHooks
-from hookllm.plugins.registry import ModelRegistry
 from hookllm.sched.output import SchedulerOutput
 from hookllm.worker.kv_cache_groups import KVCacheGroups
 from hookllm.worker.multiproc_executor import MultiprocWorkers
@@ -50,14 +49,19 @@ class Executor(Protocol):
         only). ``previous`` is this executor's result for the step still in flight, if any."""
         ...
 
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call a worker method by name, or a function with the worker as its first argument, on
+        every rank between steps; each rank's result, in rank order."""
+        ...
+
     def shutdown(self) -> None:
         """Release the KV cache and stop whatever the executor started."""
         ...
 
 
-def make_executor(config: EngineConfig, model_config: ModelConfig, hooks: ActiveHooks,
-                  registry: ModelRegistry) -> Executor:
+def make_executor(config: EngineConfig, model_config: ModelConfig, hooks: ActiveHooks) -> Executor:
     """The in-process worker, or one process per rank (several ranks, or asked to run apart)."""
     if config.worker_in_own_process:
         return MultiprocWorkers(config)
-    return Worker(config, model_config, hooks, registry)
+    return Worker(config, model_config, hooks)

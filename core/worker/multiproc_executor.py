@@ -17,7 +17,7 @@ import threading
 import traceback
 from dataclasses import replace
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Callable
 
 from hookllm.config import EngineConfig
 from hookllm.outputs import LogprobsEntry
@@ -54,7 +54,11 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connec
             message = conn.recv()
             if message is None:
                 break
-            scheduler_output, has_previous = message
+            tag, payload = message
+            if tag == "rpc":
+                conn.send(("rpc", _call(worker, *payload)))
+                continue
+            scheduler_output, has_previous = payload
             previous = worker.execute(scheduler_output, previous if has_previous else None)
             if previous is not None:
                 # Sampled here, not in the sender thread, and by every rank alike (a deferred step
@@ -74,6 +78,15 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connec
         from hookllm.distributed import cleanup_dist_env_and_memory
 
         cleanup_dist_env_and_memory()
+
+
+def _call(worker: Any, method: Any, args: tuple, kwargs: dict[str, Any] | None) -> tuple[bool, Any]:
+    """A ``collective_rpc`` call on this rank: (True, its result) or (False, the traceback); a
+    failing call leaves the rank serving."""
+    try:
+        return True, worker.collective_rpc(method, args, kwargs)[0]
+    except Exception:  # noqa: BLE001 - reported to the caller, named by rank
+        return False, traceback.format_exc()
 
 
 class _ResultSender:
@@ -171,15 +184,30 @@ class MultiprocWorkers:
                 previous: RemoteStepOutput | None = None) -> RemoteStepOutput | None:
         """Send the step to every rank. A step that schedules nothing returns None, like a local
         worker; any other returns its answer to come (empty when the step sampled nothing)."""
-        message = (scheduler_output, previous is not None)
+        self._send_all(("step", (scheduler_output, previous is not None)))
+        step = RemoteStepOutput(self)
+        self.awaiting.append(step)  # rank 0 answers every step, in order
+        return None if scheduler_output.is_empty() else step
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call ``method`` on every rank's worker (a function must pickle): their results by rank.
+        Steps still in flight are answered first, so the ranks run it between steps."""
+        while self.awaiting:
+            self.receive_next_result()
+        self._send_all(("rpc", (method, args, kwargs)))
+        answers = [self._receive(rank, "rpc", None) for rank in range(len(self.conns))]
+        for rank, (ok, value) in enumerate(answers):
+            if not ok:
+                raise RuntimeError(f"collective_rpc failed on rank {rank}: {value.strip()}")
+        return [value for _, value in answers]
+
+    def _send_all(self, message: tuple[str, Any]) -> None:
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send(message)
             except OSError:
                 self._fail(rank, "its pipe closed")
-        step = RemoteStepOutput(self)
-        self.awaiting.append(step)  # rank 0 answers every step, in order
-        return None if scheduler_output.is_empty() else step
 
     def receive_next_result(self) -> None:
         """Take rank 0's next answer for the oldest awaiting step."""

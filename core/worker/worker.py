@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -29,7 +30,6 @@ from hookllm.plugins.context import EngineContext
 from hookllm.plugins.contract import capability
 from hookllm.plugins.manager import ActiveHooks, PluginManager
 from hookllm.plugins.quantization import quantized_by, resolve_quantization
-from hookllm.plugins.registry import ModelRegistry
 from hookllm.sched.output import SchedulerOutput
 from hookllm.worker.warmup import warm_up
 
@@ -79,9 +79,9 @@ class Worker:
         """A worker built from the config alone (plugins found again by name), e.g. in another process."""
         plugin_manager = PluginManager()
         model_config, hooks = resolve_model(config, plugin_manager)
-        return cls(config, model_config, hooks, plugin_manager.registry)
+        return cls(config, model_config, hooks)
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, hooks: ActiveHooks, registry: ModelRegistry):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, hooks: ActiveHooks):
         self.config = config
         self.model_config = model_config
         set_expert_parallel(config.enable_expert_parallel)  # read by MoE layers as they are built
@@ -294,6 +294,12 @@ class Worker:
         for slot, host in zip(self.kv_caches, self.host_caches):
             for cache, host_cache in zip(map(_bytes, slot), map(_bytes, host)):
                 cache.index_copy_(0, device_ids, host_cache.index_select(0, host_ids).to(self.device))
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call ``method`` (a name of this worker's, or a function taking it first): one result."""
+        call = getattr(self, method) if isinstance(method, str) else partial(method, self)
+        return [call(*args, **(kwargs or {}))]
 
     def shutdown(self) -> None:
         """Release the KV cache and the swap space (the model goes with the last reference to the worker)."""

@@ -31,7 +31,7 @@ def small_llama(tmp_path_factory):
 
 def test_defaults_on_cuda_are_bf16_triton_and_a_memory_sized_cache(small_llama):
     llm = LLM(str(small_llama))
-    worker = llm.engine.engine_core.worker
+    worker = llm.engine.engine_core.executor
     assert worker.device.type == "cuda" and worker.dtype == torch.bfloat16
     assert worker.attention_backend.__name__.endswith("triton_attention")
     free, total = torch.cuda.mem_get_info()
@@ -63,10 +63,10 @@ def test_cuda_graphs_and_eager_give_identical_greedy_tokens(small_llama):
     prompts = [{"prompt_token_ids": p} for p in testing.random_prompts(40, 320, min_len=5, max_len=200, seed=12)]
     # fp32: in bf16 a padded graph batch picks other GEMM tiles than the eager one and flips near-ties.
     graphs = LLM(str(small_llama), gpu_memory_utilization=0.3, max_num_batched_tokens=512, dtype="float32")
-    assert graphs.engine.engine_core.worker.runner.cuda_graphs is not None
+    assert graphs.engine.engine_core.executor.runner.cuda_graphs is not None
     eager = LLM(str(small_llama), gpu_memory_utilization=0.3, max_num_batched_tokens=512, enforce_eager=True,
                 dtype="float32")
-    assert eager.engine.engine_core.worker.runner.cuda_graphs is None
+    assert eager.engine.engine_core.executor.runner.cuda_graphs is None
     ours = [o.outputs[0].token_ids for o in graphs.generate(prompts, testing.greedy(24))]
     theirs = [o.outputs[0].token_ids for o in eager.generate(prompts, testing.greedy(24))]
     assert ours == theirs
@@ -76,7 +76,7 @@ def test_steps_with_prefill_as_cuda_graphs_give_the_eager_tokens(small_llama):
     prompts = [{"prompt_token_ids": p} for p in testing.random_prompts(40, 320, min_len=5, max_len=200, seed=15)]
     graphs = LLM(str(small_llama), gpu_memory_utilization=0.3, max_num_batched_tokens=512, max_cuda_graph_tokens=512,
                  dtype="float32")
-    runner = graphs.engine.engine_core.worker.runner.cuda_graphs
+    runner = graphs.engine.engine_core.executor.runner.cuda_graphs
     assert runner.mixed_buckets[-1] == 512
     replayed = []  # each graph step's longest query: above 1 for a step with prefill
     run = runner.run
@@ -145,7 +145,7 @@ def varied_requests(num: int, seed: int) -> tuple[list[dict], list[SamplingParam
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_after_the_warmup_a_varied_workload_compiles_no_triton_kernel(small_llama, enforce_eager):
     llm = LLM(str(small_llama), gpu_memory_utilization=0.3, enforce_eager=enforce_eager)
-    assert llm.engine.engine_core.worker.warmup_seconds is not None
+    assert llm.engine.engine_core.executor.warmup_seconds is not None
     compiled = compiled_triton_variants()
     prompts, params = varied_requests(64, seed=21)
     for _ in range(2):  # the second run hits the prefix cache

@@ -71,7 +71,7 @@ def relative_error(ours, theirs):
 
 
 def test_runs_in_bf16_with_triton_attention(llm):
-    worker = llm.engine.engine_core.worker
+    worker = llm.engine.engine_core.executor
     assert worker.device.type == "cuda" and worker.dtype == torch.bfloat16
     assert worker.attention_backend.__name__.endswith("triton_attention")
 
@@ -79,7 +79,7 @@ def test_runs_in_bf16_with_triton_attention(llm):
 def test_image_features_match_transformers_bf16(llm, small_llava, references):
     pixels = cuda_inputs(small_llava, "<image> <image>", images_for(2, seed=0), torch.bfloat16)["pixel_values"]
     with torch.inference_mode():
-        ours = llm.engine.engine_core.worker.model.get_image_features(pixels)
+        ours = llm.engine.engine_core.executor.model.get_image_features(pixels)
         theirs = torch.stack(references[0].get_image_features(pixels, output_hidden_states=True).pooler_output)
     assert relative_error(ours, theirs) < 2e-2
 

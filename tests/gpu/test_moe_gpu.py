@@ -129,9 +129,9 @@ def test_native_moe_adapter_in_cuda_graphs_gives_transformers_greedy_tokens(name
     expected = [testing.reference_greedy(reference_model, p, 16) for p in prompts]
     assert sum(len(set(t)) > 1 for t in expected) >= 3, "constant reference outputs prove little"
     llm = LLM(str(path), dtype="float32", gpu_memory_utilization=0.3, max_num_batched_tokens=256)
-    model = llm.engine.engine_core.worker.model
+    model = llm.engine.engine_core.executor.model
     assert type(model).__module__.startswith(("hookllm.adapters.moe", "hookllm.adapters.gpt_oss"))
-    assert llm.engine.engine_core.worker.runner.cuda_graphs is not None
+    assert llm.engine.engine_core.executor.runner.cuda_graphs is not None
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], testing.greedy(16), use_tqdm=False)
     # TF32 dots in the attention kernels may flip a near-tie late in a sequence: most must match whole.
     matches = sum(o.outputs[0].token_ids == e for o, e in zip(outputs, expected))

@@ -35,11 +35,11 @@ def test_compiled_decoder_in_cuda_graphs_gives_the_eager_tokens(gemma2):
     prompts = testing.random_prompts(24, VOCAB, min_len=5, max_len=300, seed=21)
     requests = [{"prompt_token_ids": p} for p in prompts]
     compiled = engine(gemma2)
-    model = compiled.engine.engine_core.worker.model
-    assert compiled.engine.engine_core.worker.runner.cuda_graphs is not None
+    model = compiled.engine.engine_core.executor.model
+    assert compiled.engine.engine_core.executor.runner.cuda_graphs is not None
     assert model._decoder_hidden_states != model._run_decoder  # compiled
     eager = engine(gemma2, enforce_eager=True)
-    assert eager.engine.engine_core.worker.runner.cuda_graphs is None
+    assert eager.engine.engine_core.executor.runner.cuda_graphs is None
     ours = [o.outputs[0].token_ids for o in compiled.generate(requests, testing.greedy(24))]
     theirs = [o.outputs[0].token_ids for o in eager.generate(requests, testing.greedy(24))]
     assert ours == theirs
