@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from hookllm.sched.kv_events import KVEventsConfig
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -151,8 +154,18 @@ class EngineConfig:
     seed: int = _option(0, "seed of the engine's sampling generator")
     max_logprobs: int = _option(20, "most logprobs or prompt_logprobs a request may ask for (vLLM's limit)")
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of prompt prefixes already computed (automatic prefix caching)")
+    # Given as a JSON string (the flag) or a dict; __post_init__ parses it.
+    kv_events_config: KVEventsConfig | str | dict | None = _option(
+        None, "publish KV-cache events (blocks entering and leaving the prefix cache) in vLLM's format, for "
+        "prefix-aware routers: a JSON object with enable_kv_cache_events, publisher (zmq or null), endpoint "
+        "(default tcp://*:5557) and topic (default \"\"), e.g. '{\"enable_kv_cache_events\": true}'")
     tokenizer: str | None = _option(None, "tokenizer folder (default: the model's)")
     tensor_parallel_size: int = _option(1, "GPUs (one worker process each) the model's layers are split across")
+    pipeline_parallel_size: int = _option(1, "stages the decoder layers are cut into, each run by tensor_parallel_size "
+                                          "ranks of its own (HOOKLLM_PP_LAYER_PARTITION=\"10,12\" sets each stage's count)")
+    data_parallel_size: int = _option(1, "hookllm serve: engine processes (each a whole engine, with its own "
+                                      "tensor_parallel_size GPUs) behind the API server; each request goes to the "
+                                      "least busy one")
     enable_expert_parallel: bool = _option(False, "MoE models: each of the tensor_parallel_size ranks holds whole "
                                            "experts (a share of them) instead of a slice of every expert")
     distributed_executor_backend: str | None = _option(
@@ -176,7 +189,12 @@ class EngineConfig:
     @property
     def worker_in_own_process(self) -> bool:
         """Whether the model runs in worker processes (``distributed_executor_backend``'s "mp")."""
-        return self.tensor_parallel_size > 1 or self.distributed_executor_backend == "mp"
+        return self.world_size > 1 or self.distributed_executor_backend == "mp"
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine: tensor-parallel ranks times pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -198,12 +216,19 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
                              f"got {self.distributed_executor_backend!r}")
-        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size is "
-                             f"{self.tensor_parallel_size} (use 'mp')")
+                             f"{self.tensor_parallel_size} and pipeline_parallel_size {self.pipeline_parallel_size} (use 'mp')")
+        if self.pipeline_parallel_size > 1 and self.custom_all_reduce:
+            raise ValueError("custom_all_reduce is not offered with pipeline_parallel_size > 1 (NCCL all-reduces "
+                             "within each stage)")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -214,3 +239,6 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if not self.swap_space >= 0:  # also refuses NaN
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        from hookllm.sched.kv_events import KVEventsConfig
+
+        self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
+from hookllm.distributed import is_last_stage
 from hookllm.entrypoints.llm import LLM
 from hookllm.sched.request import Request
 from hookllm.sampling_params import SamplingParams
@@ -82,7 +83,7 @@ def prompt_logits(llm: LLM, prompt_token_ids: list[int]) -> torch.Tensor:
 
 def forward_chunk(engine: Any, request: Request, count: int, logits: bool = False) -> torch.Tensor:
     """Run ``request``'s next ``count`` tokens alone through the model runner, under any executor:
-    their hidden states (or logits), rank 0's, on the CPU.
+    their hidden states (or logits), the last rank's, on the CPU.
 
     Allocates the KV blocks they need and advances ``num_computed_tokens``; the caller ends
     with :func:`release_chunked`.
@@ -94,7 +95,8 @@ def forward_chunk(engine: Any, request: Request, count: int, logits: bool = Fals
            if request.num_computed_tokens == 0 else [])
     step = SchedulerOutput(new, [request.request_id], [count], [request.num_computed_tokens], [[]], [],
                            block_manager.block_tables([request]))
-    output = engine.engine_core.executor.collective_rpc(_forward_on_worker, (step, logits))[0]
+    # The last rank's: the last pipeline stage holds the head (every rank of it has all logits).
+    output = engine.engine_core.executor.collective_rpc(_forward_on_worker, (step, logits))[-1]
     request.num_computed_tokens += count
     return output
 
@@ -104,7 +106,7 @@ def _forward_on_worker(worker: Any, step: SchedulerOutput, logits: bool) -> torc
     runner.update_states(step)
     hidden_states, _ = runner.forward(runner.make_batch(step, None), step)
     with torch.inference_mode():
-        output = worker.model.compute_logits(hidden_states) if logits else hidden_states
+        output = worker.model.compute_logits(hidden_states) if logits and is_last_stage() else hidden_states
     return output.float().cpu()
 
 

@@ -50,6 +50,12 @@ class ModelProtocol(Protocol):
     """Its linear and MoE layers take a quantization method's parameters and matmul."""
     supports_torch_compile: ClassVar[bool] = False
     """It has ``use_torch_compile()``, called before the CUDA-graph warm-up when ``torch_compile`` is on."""
+    supports_pipeline_parallel: ClassVar[bool] = False
+    """Built for one pipeline stage (:func:`hookllm.distributed.stage_layer_range`): only that
+    stage's layers (the first also the embedding, the last the final norm and the head), its
+    ``load_weights`` skipping the rest; ``forward`` takes ``intermediate_tensors`` (what the
+    previous stage returned, None on the first) and returns, on every stage but the last, a
+    ``[2, num_tokens, hidden]`` tensor (hidden states and residual) for the next."""
 
     @classmethod
     def __subclasshook__(cls, other: type) -> bool:
@@ -62,7 +68,7 @@ class ModelProtocol(Protocol):
 
 _METHODS = ("forward", "embed_tokens", "compute_logits", "load_weights")
 Capability = Literal["supports_tensor_parallel", "supports_expert_parallel", "supports_quantization",
-                     "supports_torch_compile"]
+                     "supports_torch_compile", "supports_pipeline_parallel"]
 
 
 def capability(model: Any, flag: Capability) -> bool:
@@ -123,7 +129,8 @@ def is_multimodal(model_cls: type) -> bool:
 
 def contract_violations(model_cls: type) -> list[str]:
     """How ``model_cls`` departs from :class:`ModelProtocol`: each member it lacks, or whose
-    parameters (names, in order, and which have defaults) differ. Empty when it conforms."""
+    parameters (names, in order, and which have defaults) differ (a pipeline-parallel class's
+    ``forward`` ends with ``intermediate_tensors=None``). Empty when it conforms."""
     problems = []
     for name in _METHODS:
         member = getattr(model_cls, name, None)
@@ -131,6 +138,8 @@ def contract_violations(model_cls: type) -> list[str]:
             problems.append(f"{model_cls.__name__} has no method {name}")
             continue
         want = _parameters(getattr(ModelProtocol, name))
+        if name == "forward" and capability(model_cls, "supports_pipeline_parallel"):
+            want.append(("intermediate_tensors", True))
         got = _parameters(member)
         if got != want:
             problems.append(f"{model_cls.__name__}.{name}{_show(got)} should take {_show(want)}")

@@ -141,3 +141,27 @@ def test_time_per_output_token_observations_add_up_to_the_time_from_first_to_las
     assert delta("hookllm:time_per_output_token_seconds_sum") == pytest.approx(e2e - ttft, abs=1e-6)
     # One observation per token after the first output's (which may hold more than one).
     assert 0 < delta("hookllm:time_per_output_token_seconds_count") <= response.usage.completion_tokens - 1
+
+
+VLLM_NAMES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+              "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total[length]",
+              "vllm:time_to_first_token_seconds_count", "vllm:time_per_output_token_seconds_count",
+              "vllm:e2e_request_latency_seconds_count"]
+
+
+def test_vllms_metric_names_report_the_same_values_as_hookllms(server, client):
+    before = scrape(server)
+    client.completions.create(model="tiny", prompt=[5, 6, 7, 8, 9], max_tokens=4, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = scrape(server)
+    # By hand: a prompt of 5 token ids, 4 tokens generated, one request ended by its length.
+    for prefix in ("hookllm:", "vllm:"):
+        assert after[prefix + "prompt_tokens_total"] - before.get(prefix + "prompt_tokens_total", 0) == 5
+        assert after[prefix + "generation_tokens_total"] - before.get(prefix + "generation_tokens_total", 0) == 4
+        assert (after[prefix + "request_success_total[length]"]
+                - before.get(prefix + "request_success_total[length]", 0)) == 1
+    assert set(VLLM_NAMES) <= set(after)
+    # Every vllm: sample (each histogram's buckets, sum and count too) equals its hookllm: twin;
+    # only the creation timestamps differ, by the moments each was made.
+    twins = [name for name in after if name.startswith("vllm:") and "_created" not in name]
+    assert {name: after[name] for name in twins} == {name: after["hookllm:" + name[len("vllm:"):]] for name in twins}

@@ -8,7 +8,8 @@ extra checkpoint names through ``rename_weight`` (the MoE adapters, ``hookllm.ad
 
 Tensor parallel (``supports_tensor_parallel``): attention heads, the MLP's intermediate dim and
 the vocabulary are split across ranks (see docs/tensor-parallel.md); with one rank the layers
-are the plain matmuls.
+are the plain matmuls. Pipeline parallel (``supports_pipeline_parallel``): a stage builds and
+loads only its layers (:class:`hookllm.layers.StageMissing` stands in for the rest).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import torch
 from torch import nn
 
 from hookllm.config import layer_sliding_windows
-from hookllm.distributed import custom_all_reduce_enabled
+from hookllm.distributed import custom_all_reduce_enabled, is_first_stage, is_last_stage, stage_layer_range
 from hookllm.layers import (
     Attention, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm, RowParallelLinear,
-    SiluAndMul, VocabParallelEmbedding, get_rope,
+    SiluAndMul, StageMissing, VocabParallelEmbedding, get_rope, on_other_stage,
 )
 from hookllm.layers.linear import LoadedWeight
 from hookllm.worker.model_loader import load_weights_into
@@ -110,7 +111,12 @@ class DecoderModel(nn.Module):
     def __init__(self, config: Any, make_attention: Callable[[Any, nn.Module, int | None], nn.Module],
                  make_mlp: Callable[[Any, int], nn.Module]):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.start_layer, self.end_layer = stage_layer_range(config.num_hidden_layers)
+        self.is_last_stage = is_last_stage()
+        # The last stage keeps the embedding too when the head shares its weight.
+        tied = getattr(config, "tie_word_embeddings", False)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+                             if is_first_stage() or (self.is_last_stage and tied) else StageMissing())
         # One cos/sin table shared by every layer (it is max_position x head_dim floats).
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         base, scaling = rope_settings(config)
@@ -118,19 +124,28 @@ class DecoderModel(nn.Module):
         # Mistral v0.1 slides every layer; Qwen2 with use_sliding_window only those from max_window_layers.
         self.layers = nn.ModuleList(
             DecoderLayer(config, make_attention(config, rotary_emb, window), make_mlp(config, index))
+            if self.start_layer <= index < self.end_layer else StageMissing()
             for index, window in enumerate(layer_sliding_windows(config))
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else StageMissing()
         if custom_all_reduce_enabled():
             defer_reductions_to_norms(self)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None,
+        intermediate_tensors: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
-        for layer in self.layers:
+        """Hidden states after the final norm; on a pipeline stage before the last, the
+        ``[2, num_tokens, hidden]`` hidden states and residual for the next stage."""
+        if intermediate_tensors is None:
+            hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
+        else:
+            hidden_states, residual = intermediate_tensors.unbind(0)
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if not self.is_last_stage:
+            return torch.stack((hidden_states, residual))
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -159,6 +174,7 @@ class LlamaForCausalLM(nn.Module):
     # layers, and load_weights accepts lazy safetensors slices.
     supports_tensor_parallel = True
     supports_quantization = True  # its parallel linear (and MoE) layers take a quantization method
+    supports_pipeline_parallel = True
     qkv_bias = False
     qk_norm = False
 
@@ -166,8 +182,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config, self.make_attention, self.make_mlp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if getattr(config, "tie_word_embeddings", False):
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if is_last_stage() else StageMissing()
+        if getattr(config, "tie_word_embeddings", False) and is_last_stage():
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_attention(self, config: Any, rotary_emb: nn.Module, sliding_window: int | None) -> nn.Module:
@@ -188,9 +204,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None,
+        intermediate_tensors: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, inputs_embeds)
+        return self.model(input_ids, positions, inputs_embeds, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits on every rank (the head all-gathers its vocabulary shards)."""
@@ -210,7 +227,8 @@ class LlamaForCausalLM(nn.Module):
                 (".gate_up_proj", ".up_proj", "up"),
             ],
             # Old checkpoints carry rotary tables; tied ones may still save a copy of lm_head.
-            skip=lambda name: "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"),
+            skip=lambda name: ("rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight")
+                               or on_other_stage(self, name)),
             rename=self.rename_weight,
         )
 

@@ -1,17 +1,22 @@
-"""Tensor-parallel state of this process and the two collectives the parallel layers use.
+"""Model-parallel state of this process and the collectives the parallel layers and stages use.
 
-One process runs one rank. ``init_tensor_parallel`` joins the process group; until then (and
-always with ``tensor_parallel_size == 1``) this process is rank 0 of 1 and the parallel layers
-never touch ``torch.distributed``. All ranks form one tensor-parallel group (there is no
-pipeline or data parallelism), so the group is the default (world) group.
+One process runs one rank. ``init_model_parallel`` joins the process group; until then (and
+always with one rank) this process is rank 0 of 1 and the parallel layers never touch
+``torch.distributed``. The ranks form ``pipeline_parallel_size`` stages of
+``tensor_parallel_size`` ranks each: global rank ``r`` is tensor-parallel rank ``r % tp`` of stage
+``r // tp``. Tensor-parallel collectives run in the stage's group; a stage hands its hidden
+states to the next by point-to-point sends between the ranks of equal tensor-parallel rank, and
+the last stage shares the sampled tokens with the others by a broadcast in that pipeline group.
 
-Logits are **all-gathered**: every rank receives the full ``[rows, vocab]`` logits, so the
-runner and the sampler work the same on every rank and need no "only rank 0 has logits" case.
+Logits are **all-gathered**: every rank of the last stage receives the full ``[rows, vocab]``
+logits, so the runner and the sampler work the same on each and need no "only rank 0 has
+logits" case.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -22,6 +27,10 @@ from hookllm.plugins.contract import capability
 
 _tp_rank = 0
 _tp_size = 1
+_pp_rank = 0
+_pp_size = 1
+_tp_group = None  # this stage's tensor-parallel group (None: the world, when there is one stage)
+_pp_group = None  # the ranks of this tensor-parallel rank in every stage
 _expert_parallel = False
 _custom_all_reduce = None  # hookllm.distributed.custom_all_reduce.CustomAllReduce, once init_custom_all_reduce made it
 
@@ -34,17 +43,35 @@ def init_tensor_parallel(
     device: torch.device | None = None,
     timeout_s: float = 600.0,
 ) -> None:
-    """Make this process rank ``rank`` of a ``world_size``-way tensor-parallel group.
+    """Make this process rank ``rank`` of a ``world_size``-way tensor-parallel group (one
+    pipeline stage); see :func:`init_model_parallel`."""
+    init_model_parallel(rank, world_size, 1, backend, init_method, device, timeout_s)
+
+
+def init_model_parallel(
+    rank: int,
+    world_size: int,
+    pipeline_parallel_size: int = 1,
+    backend: str | None = None,
+    init_method: str = "env://",
+    device: torch.device | None = None,
+    timeout_s: float = 600.0,
+) -> None:
+    """Make this process rank ``rank`` of ``world_size`` ranks: ``pipeline_parallel_size`` stages
+    of ``world_size // pipeline_parallel_size`` tensor-parallel ranks.
 
     ``backend`` defaults to NCCL when CUDA is available and gloo otherwise. ``init_method`` is
     any torch.distributed URL (``"tcp://127.0.0.1:29500"``, ``"file:///tmp/x"``, ``"env://"``).
     With NCCL pass this rank's ``device`` (default: the current CUDA device); it becomes the
     current device and the group is bound to it. ``world_size`` 1 creates no process group.
-    Call it before the model is built: layers read the rank and size when they are constructed.
+    Call it before the model is built: layers read the ranks and sizes when they are constructed.
     """
-    global _tp_rank, _tp_size
+    global _tp_rank, _tp_size, _pp_rank, _pp_size, _tp_group, _pp_group
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of size {world_size}")
+    if pipeline_parallel_size < 1 or world_size % pipeline_parallel_size:
+        raise ValueError(f"{world_size} ranks do not form {pipeline_parallel_size} equal pipeline stages")
+    tp_size = world_size // pipeline_parallel_size
     if world_size > 1:
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process")
@@ -62,8 +89,19 @@ def init_tensor_parallel(
         probe = torch.ones(1, device=device)
         dist.all_reduce(probe)
         if probe.item() != world_size:
-            raise RuntimeError(f"tensor-parallel probe all-reduce gave {probe.item()}, expected {world_size}")
-    _tp_rank, _tp_size = rank, world_size
+            raise RuntimeError(f"model-parallel probe all-reduce gave {probe.item()}, expected {world_size}")
+        if pipeline_parallel_size > 1:
+            # Every rank creates every group, in the same order (torch.distributed's rule).
+            for stage in range(pipeline_parallel_size):
+                group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
+                if stage == rank // tp_size:
+                    _tp_group = group
+            for tp_rank in range(tp_size):
+                group = dist.new_group(list(range(tp_rank, world_size, tp_size)))
+                if tp_rank == rank % tp_size:
+                    _pp_group = group
+    _tp_rank, _tp_size = rank % tp_size, tp_size
+    _pp_rank, _pp_size = rank // tp_size, pipeline_parallel_size
 
 
 def get_tp_rank() -> int:
@@ -74,6 +112,75 @@ def get_tp_rank() -> int:
 def get_tp_size() -> int:
     """The number of tensor-parallel ranks (1 when tensor parallelism is not initialised)."""
     return _tp_size
+
+
+def get_pp_rank() -> int:
+    """This process's pipeline stage (0 when pipeline parallelism is not initialised)."""
+    return _pp_rank
+
+
+def get_pp_size() -> int:
+    """The number of pipeline stages (1 when pipeline parallelism is not initialised)."""
+    return _pp_size
+
+
+def is_first_stage() -> bool:
+    return _pp_rank == 0
+
+
+def is_last_stage() -> bool:
+    return _pp_rank == _pp_size - 1
+
+
+def stage_layer_range(num_layers: int, pp_rank: int | None = None, pp_size: int | None = None) -> tuple[int, int]:
+    """The ``[start, end)`` decoder layers of a pipeline stage (default: this process's).
+
+    ``HOOKLLM_PP_LAYER_PARTITION="10,12"`` gives each stage's count (they must sum to
+    ``num_layers``); otherwise the layers split evenly, the first stages taking one more each
+    when they do not divide (the last stage also runs the final norm and the LM head).
+    """
+    pp_rank = _pp_rank if pp_rank is None else pp_rank
+    pp_size = _pp_size if pp_size is None else pp_size
+    counts = stage_layer_counts(num_layers, pp_size)
+    start = sum(counts[:pp_rank])
+    return start, start + counts[pp_rank]
+
+
+def stage_layer_counts(num_layers: int, pp_size: int) -> list[int]:
+    """Each stage's decoder-layer count (see :func:`stage_layer_range`); a one-line
+    ``ValueError`` where they cannot be made."""
+    if pp_size > num_layers:
+        raise ValueError(f"pipeline_parallel_size={pp_size} is larger than the model's {num_layers} layers")
+    partition = os.environ.get("HOOKLLM_PP_LAYER_PARTITION")
+    if not partition or pp_size == 1:
+        base, extra = divmod(num_layers, pp_size)
+        return [base + (stage < extra) for stage in range(pp_size)]
+    try:
+        counts = [int(part) for part in partition.split(",")]
+    except ValueError:
+        raise ValueError(f"HOOKLLM_PP_LAYER_PARTITION={partition!r} is not a comma-separated list of layer counts") from None
+    if len(counts) != pp_size or sum(counts) != num_layers or min(counts) < 1:
+        raise ValueError(f"HOOKLLM_PP_LAYER_PARTITION={partition!r} must give {pp_size} positive layer counts "
+                         f"summing to {num_layers}")
+    return counts
+
+
+def send_to_next_stage(x: torch.Tensor) -> None:
+    """Hand ``x`` to the rank of equal tensor-parallel rank in the next stage."""
+    dist.send(x.contiguous(), dist.get_global_rank(_pp_group, _pp_rank + 1), group=_pp_group)
+
+
+def receive_from_previous_stage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """What the previous stage's rank of equal tensor-parallel rank sent (:func:`send_to_next_stage`)."""
+    x = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(x, dist.get_global_rank(_pp_group, _pp_rank - 1), group=_pp_group)
+    return x
+
+
+def broadcast_from_last_stage(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the last stage has it, on every stage (in place on the others; returns ``x``)."""
+    dist.broadcast(x, dist.get_global_rank(_pp_group, _pp_size - 1), group=_pp_group)
+    return x
 
 
 def set_expert_parallel(enabled: bool) -> None:
@@ -114,7 +221,7 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _tp_size > 1:
         if _custom_all_reduce is not None and _custom_all_reduce.can_reduce(x):
             return _custom_all_reduce.all_reduce(x)
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_tp_group)
     return x
 
 
@@ -144,7 +251,7 @@ def tensor_model_parallel_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor
     dim = dim % x.dim()
     # Concatenated along dim 0 (the output layout both NCCL and gloo accept), seen as [tp, *shape].
     flat = torch.empty((_tp_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(flat, x.contiguous())
+    dist.all_gather_into_tensor(flat, x.contiguous(), group=_tp_group)
     stacked = flat.view(_tp_size, *x.shape)
     # [tp, ..., n, ...] -> [..., tp, n, ...] -> [..., tp * n, ...]: rank r's block at r * n.
     return stacked.movedim(0, dim).reshape(*x.shape[:dim], _tp_size * x.shape[dim], *x.shape[dim + 1:])
@@ -152,11 +259,12 @@ def tensor_model_parallel_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor
 
 def destroy_tensor_parallel() -> None:
     """Leave the process group (if any) and go back to rank 0 of 1."""
-    global _tp_rank, _tp_size, _expert_parallel, _custom_all_reduce
+    global _tp_rank, _tp_size, _pp_rank, _pp_size, _tp_group, _pp_group, _expert_parallel, _custom_all_reduce
     _custom_all_reduce = None
     if dist.is_initialized():
         dist.destroy_process_group()
-    _tp_rank, _tp_size, _expert_parallel = 0, 1, False
+    _tp_rank, _tp_size, _pp_rank, _pp_size, _expert_parallel = 0, 1, 0, 1, False
+    _tp_group = _pp_group = None
 
 
 def cleanup_dist_env_and_memory() -> None:
@@ -202,3 +310,20 @@ def check_tensor_parallel(model_cls: type, hf_config: Any, tp_size: int, num_vis
     intermediate = getattr(config, "intermediate_size", None)
     if intermediate is not None and intermediate % tp_size:
         raise ValueError(f"intermediate_size={intermediate} is not divisible by tensor_parallel_size={tp_size}")
+
+
+def check_pipeline_parallel(model_cls: type, hf_config: Any, pp_size: int, world_size: int,
+                            num_visible_gpus: int | None = None) -> None:
+    """Raise ``ValueError`` if ``model_cls`` cannot run in ``pp_size`` stages on ``hf_config``:
+    the class must set ``supports_pipeline_parallel = True``, the stages must fit the layers
+    (:func:`stage_layer_counts`) and, on CUDA, the ``world_size`` ranks the visible GPUs."""
+    if pp_size == 1:
+        return
+    if not capability(model_cls, "supports_pipeline_parallel"):
+        raise ValueError(f"{model_cls.__name__} does not support pipeline parallelism (pipeline_parallel_size="
+                         f"{pp_size}): its class does not set supports_pipeline_parallel = True")
+    if num_visible_gpus is not None and world_size > num_visible_gpus:
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {world_size} GPUs needed, "
+                         f"only {num_visible_gpus} visible")
+    config = getattr(hf_config, "text_config", None) or hf_config
+    stage_layer_counts(config.num_hidden_layers, pp_size)

@@ -1,8 +1,9 @@
 """``AsyncLLM``: an asyncio front for the engine loop (``hookllm.engine.core_client``).
 
-The engine steps in a process of its own (``AsyncLLM(config=...)``, the server's way) or on a
-thread of this one (``AsyncLLM(engine)``). Either way the front sends it commands and gets one
-report per step; a reader hands each request's outputs to its ``asyncio.Queue`` with one
+The engine steps in a process of its own (``AsyncLLM(config=...)``, the server's way), in
+``data_parallel_size`` processes (``hookllm.engine.dp_client``: each request runs on one of
+them), or on a thread of this one (``AsyncLLM(engine)``). Either way the front sends it
+commands and gets one report per step; a reader hands each request's outputs to its ``asyncio.Queue`` with one
 ``call_soon_threadsafe`` per event loop per step. The engine side (``LLMEngine``'s input and
 output processors) tokenizes prompts and detokenizes outputs, since stop strings need the text
 as it grows; the deltas it reports carry their text. This side keeps a tokenizer of its own for
@@ -25,7 +26,8 @@ from typing import Any, AsyncIterator
 from hookllm.entrypoints.chat import render_chat
 from hookllm.config import EngineConfig
 from hookllm.engine.llm_engine import LLMEngine
-from hookllm.engine.core_client import EngineClient, EngineProcess, EngineThread
+from hookllm.engine.core_client import EngineClient, EngineThread, start_engines
+from hookllm.engine.dp_client import DataParallelClient
 from hookllm.engine.messages import (AbortRequests, AddRequest, EngineReport, OutputDelta, OutputStream, merge_deltas,
                                      rebuild_error)
 from hookllm.inputs import PromptType
@@ -66,15 +68,22 @@ class AsyncLLM:
     """Async ``generate`` / ``abort`` over one engine loop.
 
     ``AsyncLLM(engine)`` steps an engine built here on a thread; ``AsyncLLM(config=config)``
-    (or ``from_engine_config``) builds it in a process of its own; ``AsyncLLM(config=config,
-    connection=conn)`` is one more client of an engine process already running (``conn``: one
-    of its ``EngineProcess.client_conns``).
+    (or ``from_engine_config``) builds it in a process of its own, or ``config.data_parallel_size``
+    engines in processes of their own; ``AsyncLLM(config=config, connections=conns)`` is one more
+    client of engine processes already running (``conns``: one of each engine's
+    ``EngineProcess.client_conns``, in engine order).
     """
 
     def __init__(self, engine: LLMEngine | None = None, *, config: EngineConfig | None = None,
-                 connection: Any = None):
+                 connections: list[Any] | None = None):
         if (engine is None) == (config is None):
             raise TypeError("AsyncLLM takes an engine or a config, not both")
+        if engine is not None and engine.config.data_parallel_size > 1:
+            raise ValueError("an engine built in this process is one engine: data parallelism starts engine "
+                             "processes (AsyncLLM(config=...))")
+        if config is not None and connections is not None and len(connections) != config.data_parallel_size:
+            raise ValueError(f"{len(connections)} engine connections for data_parallel_size "
+                             f"{config.data_parallel_size}")
         self._streams: dict[str, _Stream] = {}
         self._adding: dict[str, concurrent.futures.Future] = {}
         self._ids = itertools.count()
@@ -95,11 +104,16 @@ class AsyncLLM:
             self.config = config
             self.model_config, self.hooks = resolve_model(config, PluginManager())
             self._stats = SchedulerStats(0, 0, 0, 0)  # until the loop's first report, which the client awaits
-            if connection is None:
-                process = EngineProcess(config)
-                self._loop = EngineClient(process.client_conns[0], self._on_report, self._on_exit, process)
-            else:  # a client of an engine process started elsewhere (hookllm serve --api-server-count)
-                self._loop = EngineClient(connection, self._on_report, self._on_exit)
+            processes = None
+            if connections is None:
+                processes = start_engines(config)
+                connections = [process.client_conns[0] for process in processes]
+            # else: a client of engine processes started elsewhere (hookllm serve --api-server-count)
+            if len(connections) == 1:
+                self._loop = EngineClient(connections[0], self._on_report, self._on_exit,
+                                          processes[0] if processes else None)
+            else:
+                self._loop = DataParallelClient(connections, self._on_report, self._on_exit, processes)
         # The engine thread, or the thread reading the engine process's reports, shares the GIL
         # with the event loop: a busy loop would hold it off, and a report not read in time
         # blocks the engine process on its pipe.
@@ -124,8 +138,13 @@ class AsyncLLM:
 
     def get_stats(self) -> SchedulerStats:
         """Running/waiting requests and KV use as of the engine's last report (no waiting on a
-        step; its first comes as it starts, before any request)."""
+        step; its first comes as it starts, before any request); summed over the engines under
+        data parallelism."""
         return self._stats
+
+    def engine_stats(self) -> list[SchedulerStats]:
+        """``get_stats`` of each engine, in engine order (one entry without data parallelism)."""
+        return self._loop.engine_stats() if isinstance(self._loop, DataParallelClient) else [self._stats]
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
@@ -202,9 +221,8 @@ class AsyncLLM:
             self._loop.send(AbortRequests([request_id]))
 
     def shutdown(self) -> None:
-        """Stop the engine loop; requests still running are aborted and their consumers get an error."""
-        if self._stopped.is_set():
-            return
+        """Stop the engine loop; requests still running are aborted and their consumers get an error.
+        Under data parallelism one engine may have died already: the others are stopped here."""
         self._loop.close()
         self._on_exit()
 

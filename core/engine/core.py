@@ -21,6 +21,7 @@ from hookllm.outputs import LogprobsEntry
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.sampling_params import SamplingParams
 from hookllm.sched.block_manager import BlockManager
+from hookllm.sched.kv_events import KVEventPublisher
 from hookllm.sched.output import SchedulerOutput
 from hookllm.sched.request import RequestStatus
 from hookllm.sched.scheduler import Scheduler, SchedulerStats
@@ -78,6 +79,12 @@ class EngineCore:
         self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    eos_token_ids(model_config, tokenizer), config.preemption_mode,
                                    self.executor.num_host_blocks)
+        # KV-cache events for prefix-aware routers: the block manager records them, each step publishes.
+        events_config = config.kv_events_config
+        self.kv_event_publisher: KVEventPublisher | None = None
+        if events_config is not None and events_config.enable_kv_cache_events:
+            self.kv_event_publisher = KVEventPublisher(events_config)
+            block_manager.kv_events = []
         # Launched steps whose tokens are not read yet: at most one more than max_in_flight.
         self.in_flight: deque[tuple[SchedulerOutput, StepResult]] = deque()
         async_scheduling = config.async_scheduling
@@ -142,7 +149,9 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing changed) while requests hold KV blocks."""
-        return not self.in_flight and self.scheduler.reset_prefix_cache()
+        reset = not self.in_flight and self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()  # routers learn of it now, not at the next step
+        return reset
 
     def step(self) -> EngineCoreOutputs:
         """Schedule and launch one batch; return what the last finished step produced.
@@ -161,7 +170,15 @@ class EngineCore:
         if len(self.in_flight) > self.max_in_flight or (result is None and self.in_flight):
             outputs = self._update(*self.in_flight.popleft())
         self._release_finished_if_idle()
+        self._publish_kv_events()
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        """Publish what the block manager recorded since the last call, as one batch."""
+        if self.kv_event_publisher is not None:
+            events = self.scheduler.block_manager.take_kv_events()
+            if events:
+                self.kv_event_publisher.publish(events)
 
     def _update(self, batch: SchedulerOutput, result: StepResult) -> EngineCoreOutputs:
         """A finished step: the scheduler takes its tokens; each request that advanced reports."""
@@ -194,3 +211,5 @@ class EngineCore:
         self.abort_requests(list(self.scheduler.requests))
         self.in_flight.clear()
         self.executor.shutdown()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()

@@ -4,6 +4,7 @@
   loop and the engine's step then never wait for each other's GIL; messages cross a pipe. One
   engine process can serve several clients (``hookllm serve --api-server-count N``: one pipe per
   API server process); each request's outputs go back to the client that added it.
+  ``start_engines`` starts ``data_parallel_size`` of them at once, each on GPUs of its own.
 - ``EngineThread``: a thread of the caller's process, for an engine built in-process (plugins
   given as objects, tests).
 
@@ -14,15 +15,17 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import queue
 import signal
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from hookllm.config import EngineConfig
 from hookllm.engine.llm_engine import LLMEngine
@@ -64,20 +67,27 @@ class EngineStartError(RuntimeError):
 class EngineProcess:
     """The loop in a process of its own, serving ``num_clients`` clients: ``client_conns`` holds
     this side's end of each one's pipe (give each to an ``EngineClient``, here or in another
-    process). Returns once the engine is built; a failure to build it is raised here."""
+    process). It starts loading at once; ``wait_ready`` waits until the engine is built (raising
+    a failure to build it), so that several engines load side by side (``start_engines``).
+    ``cuda_visible_devices``: the GPUs it sees (its ``CUDA_VISIBLE_DEVICES``), None for this
+    process's."""
 
-    def __init__(self, config: EngineConfig, num_clients: int = 1):
+    def __init__(self, config: EngineConfig, num_clients: int = 1, cuda_visible_devices: str | None = None,
+                 name: str = "hookllm-engine-core"):
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         pipes = [context.Pipe() for _ in range(num_clients)]
         self.client_conns = [ours for ours, _ in pipes]
         # Not a daemon: under tensor parallelism it starts the rank processes itself.
         # It logs as this process does (hookllm serve's --log-level): spawned, it inherits no logging setup.
         self.process = context.Process(target=_engine_process_main,
-                                       args=(config, [theirs for _, theirs in pipes], current_level()),
-                                       name="hookllm-engine-core")
-        self.process.start()
+                                       args=(config, [theirs for _, theirs in pipes], current_level()), name=name)
+        with _environment("CUDA_VISIBLE_DEVICES", cuda_visible_devices):  # what the spawned child inherits
+            self.process.start()
         for _, theirs in pipes:
             theirs.close()
+
+    def wait_ready(self) -> None:
+        """Return once the engine is built; raise why it could not be (after the process ended)."""
         try:
             status, error = self.client_conns[0].recv()
         except EOFError:
@@ -91,10 +101,80 @@ class EngineProcess:
             # comes with the engine process's traceback.
             raise rebuild_error((name, message)) if name in ("ValueError", "TypeError") else EngineStartError(trace)
 
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop an engine no client uses yet: closing its pipes is every client's shutdown."""
+        for conn in self.client_conns:
+            conn.close()
+        self.join(timeout_s)
+
     def join(self, timeout_s: float = 30.0) -> bool:
         """Wait up to ``timeout_s`` for the process to end (it does once every client has shut down
         or gone), then kill it: it ignores SIGTERM. True if it ended on its own with status 0."""
         return join_or_kill(self.process, time.monotonic() + timeout_s)
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """``os.environ[name]`` is ``value`` inside (unchanged if None), as it was after."""
+    if value is None:
+        yield
+        return
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
+
+
+def data_parallel_devices(visible: list[str], data_parallel_size: int, gpus_per_engine: int) -> list[str]:
+    """Each data-parallel engine's ``CUDA_VISIBLE_DEVICES``: engine i gets the i-th run of
+    ``gpus_per_engine`` of the ``visible`` GPUs (as vLLM splits them)."""
+    needed = data_parallel_size * gpus_per_engine
+    if len(visible) < needed:
+        raise ValueError(f"data_parallel_size {data_parallel_size} x {gpus_per_engine} GPU(s) per engine needs "
+                         f"{needed} GPUs; {len(visible)} visible")
+    return [",".join(visible[i * gpus_per_engine:(i + 1) * gpus_per_engine]) for i in range(data_parallel_size)]
+
+
+def engine_devices(config: EngineConfig) -> list[str | None]:
+    """Each engine's ``CUDA_VISIBLE_DEVICES`` (None: this process's): its own GPUs on CUDA under
+    data parallelism, counted without initialising CUDA here."""
+    import torch
+
+    size = config.data_parallel_size
+    cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+    if size == 1 or not cuda:
+        return [None] * size
+    if config.device != "cuda" and config.device != "auto":
+        raise ValueError(f"device {config.device} pins one GPU, but data_parallel_size {size} gives each engine "
+                         f"GPUs of its own (use device cuda)")
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = ([d.strip() for d in listed.split(",") if d.strip()] if listed is not None
+               else [str(i) for i in range(torch.cuda.device_count())])
+    return data_parallel_devices(visible, size, config.world_size)
+
+
+def start_engines(config: EngineConfig, num_clients: int = 1) -> list[EngineProcess]:
+    """``config.data_parallel_size`` engine processes, each serving ``num_clients`` clients, loading
+    side by side (on CUDA each on GPUs of its own). Returns once every one is built; if one fails,
+    the others are stopped and its error is raised."""
+    devices = engine_devices(config)  # too few GPUs is an error before anything starts
+    names = ["hookllm-engine-core"] if len(devices) == 1 else [f"hookllm-engine-core-{i}" for i in range(len(devices))]
+    engines: list[EngineProcess] = []
+    try:
+        for cuda_visible_devices, name in zip(devices, names):
+            engines.append(EngineProcess(config, num_clients, cuda_visible_devices, name))
+        for engine in engines:
+            engine.wait_ready()
+    except BaseException:
+        for engine in engines:
+            engine.stop()
+        raise
+    return engines
 
 
 class EngineClient:

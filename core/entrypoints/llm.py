@@ -34,6 +34,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, generation_config: str = "auto", **kwargs: Any):
+        if kwargs.get("data_parallel_size", 1) > 1:
+            raise ValueError("LLM runs one engine: data parallelism is served by hookllm serve --data-parallel-size "
+                             "(or one LLM per process, each on its own GPUs)")
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._request_counter = itertools.count()
         self._default_overrides = self._generation_config_defaults(generation_config)

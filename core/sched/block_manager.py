@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hookllm.sched.kv_events import AllBlocksCleared, KVCacheEvent, block_removed, block_stored
 from hookllm.sched.request import Request
 
 
@@ -88,6 +89,10 @@ class BlockManager:
         self.cached: dict[tuple[int, bytes], int] = {}  # (group, block hash) -> block id
         # (source, destination) block pairs the worker must copy before the next step runs.
         self.pending_copies: list[tuple[int, int]] = []
+        # KV-cache events (hookllm.sched.kv_events): None unless the engine publishes them; then
+        # blocks entering and leaving the prefix cache are recorded here until take_kv_events.
+        # Disabled, the cost is one test per block cached or evicted.
+        self.kv_events: list[KVCacheEvent] | None = None
         # The one store of block ids: each request holding blocks owns a row (request.block_table_row)
         # in every group's plane, its first row_widths[row] entries in use, so a step's block
         # tables are one numpy gather.
@@ -231,7 +236,7 @@ class BlockManager:
         hashes = self.block_hashes(request, full)
         columns = self.table[:, request.block_table_row, registered:full].tolist()
         for group, block_ids in enumerate(columns):
-            for block_id, block_hash in zip(block_ids, hashes[registered:]):
+            for index, (block_id, block_hash) in enumerate(zip(block_ids, hashes[registered:]), registered):
                 if block_id == self.null_block:
                     continue  # out of its window (a request resumed from swap holds none there): not held
                 block, key = self.blocks[block_id], (group, block_hash)
@@ -239,6 +244,10 @@ class BlockManager:
                 if block.cache_key is None and key not in self.cached:
                     block.cache_key = key
                     self.cached[key] = block_id
+                    if self.kv_events is not None:
+                        tokens = request.all_token_ids[index * self.block_size:(index + 1) * self.block_size]
+                        parent = hashes[index - 1] if index else None
+                        self.kv_events.append(block_stored(block_hash, parent, tokens, self.block_size, group))
         request.num_registered_blocks = full
 
     def reset_prefix_cache(self) -> None:
@@ -248,6 +257,13 @@ class BlockManager:
         for block_id in self.cached.values():
             self.blocks[block_id].cache_key = None
         self.cached.clear()
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first (events must be enabled)."""
+        events, self.kv_events = self.kv_events, []
+        return events
 
     # -- allocation ---------------------------------------------------------------------------
 
@@ -379,6 +395,8 @@ class BlockManager:
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.cache_key is not None:
+            if self.kv_events is not None:
+                self.kv_events.append(block_removed(block.cache_key[1], block.cache_key[0]))
             del self.cached[block.cache_key]
             block.cache_key = None
         block.ref_count = 1

@@ -59,7 +59,7 @@ def add_parsers(subparsers: argparse._SubParsersAction, plugin_parser: argparse.
                        default=argparse.SUPPRESS,
                        help="vLLM's older flag, accepted: requests are not logged unless --enable-log-requests")
     serve.add_argument("--api-server-count", type=int, default=1, metavar="N",
-                       help="API server processes sharing the port and one engine process: more than one when "
+                       help="API server processes sharing the port and the engine process(es): more than one when "
                             "a single process's event loop cannot keep up with the streams")
     serve.add_argument("--tool-call-parser", metavar="NAME", type=_parser_name(ComponentKind.TOOL_PARSER),
                        help="find chat replies' tool calls with this parser (bundled: hermes, llama3_json; "
@@ -185,32 +185,34 @@ def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket) -> None:
 
 
 def _run_api_servers(args: argparse.Namespace, config: Any, sock: socket.socket) -> int:
-    """One engine process and ``--api-server-count`` API server processes, each a client of the
-    engine over its own pipe, all accepting on ``sock``. SIGTERM (or SIGINT) here is
-    passed on to the API servers, which drain as a single server does; the engine process stops
-    once the last of them has gone. Each child gets ``--shutdown-timeout`` plus a margin to end,
-    and is killed after that; the status is 0 only if every child ended cleanly on its own."""
+    """The engine process (``--data-parallel-size`` of them) and ``--api-server-count`` API server
+    processes, each a client of every engine over its own pipe, all accepting on ``sock``.
+    SIGTERM (or SIGINT) here is passed on to the API servers, which drain as a single server
+    does; the engines stop once the last of them has gone. Each child gets ``--shutdown-timeout``
+    plus a margin to end, and is killed after that; the status is 0 only if every child ended
+    cleanly on its own."""
     import multiprocessing
     import multiprocessing.connection
     import shutil
     import tempfile
 
-    from hookllm.engine.core_client import EngineProcess
+    from hookllm.engine.core_client import start_engines
 
     metrics_dir = tempfile.mkdtemp(prefix="hookllm-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # the API servers inherit it: summed metrics
     wake_r, wake_w = os.pipe()
     previous_handlers: dict[int, Any] = {}
     try:
-        engine = EngineProcess(config, num_clients=args.api_server_count)
+        engines = start_engines(config, num_clients=args.api_server_count)
         context = multiprocessing.get_context("spawn")
-        servers = [context.Process(target=_api_server_main, args=(args, config, conn, sock),
+        servers = [context.Process(target=_api_server_main, args=(args, config, conns, sock),
                                    name=f"hookllm-api-server-{i}")
-                   for i, conn in enumerate(engine.client_conns)]
+                   for i, conns in enumerate(zip(*[engine.client_conns for engine in engines]))]
         for server in servers:
             server.start()
-        for conn in engine.client_conns:
-            conn.close()  # the servers hold them now: one that dies closes its pipe, and the engine sees it
+        for engine in engines:
+            for conn in engine.client_conns:
+                conn.close()  # the servers hold them now: one that dies closes its pipe, and the engine sees it
 
         def stop(signum: int, frame: Any) -> None:
             for server in servers:
@@ -230,8 +232,8 @@ def _run_api_servers(args: argparse.Namespace, config: Any, sock: socket.socket)
             serving.difference_update(ready)
         deadline = time.monotonic() + args.shutdown_timeout + SHUTDOWN_MARGIN_S
         clean = [join_or_kill(server, deadline) for server in servers]
-        # The engine stops once the servers have gone, aborting what is left: it gets its own deadline.
-        clean.append(engine.join(args.shutdown_timeout + SHUTDOWN_MARGIN_S))
+        # The engines stop once the servers have gone, aborting what is left: they get their own deadline.
+        clean += [engine.join(args.shutdown_timeout + SHUTDOWN_MARGIN_S) for engine in engines]
         return 0 if all(clean) else 1
     finally:
         for signum, handler in previous_handlers.items():
@@ -257,7 +259,7 @@ def _stop_resource_tracker() -> None:
         stop()
 
 
-def _api_server_main(args: argparse.Namespace, config: Any, conn: Any, sock: socket.socket) -> None:
+def _api_server_main(args: argparse.Namespace, config: Any, conns: tuple[Any, ...], sock: socket.socket) -> None:
     from hookllm.engine.async_llm import AsyncLLM
     from hookllm.utils import name_this_process
 
@@ -265,7 +267,7 @@ def _api_server_main(args: argparse.Namespace, config: Any, conn: Any, sock: soc
     configure_logging(args.log_level)  # spawned: it inherits no logging setup, only the resolved level
     # A SIGTERM while this server still starts (nothing to drain yet) is a clean stop too.
     signal.signal(signal.SIGTERM, _exit_after_shutdown)
-    _serve(args, AsyncLLM(config=config, connection=conn), sock)
+    _serve(args, AsyncLLM(config=config, connections=list(conns)), sock)
 
 
 def _exit_after_shutdown(signum: int, frame: Any) -> None:

@@ -9,6 +9,10 @@ comes as it starts, so they are right (``hookllm:num_kv_blocks`` the cache's siz
 Every latency counts from the request's arrival: ``ArrivalTimeMiddleware`` notes it as the HTTP
 request comes in, before its body is read, its prompt rendered and tokenized, or it waits in
 the engine's queue, so a request that waited 40 s reports 40 s.
+
+Each metric vLLM also reports has both names, ``hookllm:X`` and ``vllm:X`` (``both``), with the
+same labels, types and buckets, fed by the same calls: routers and dashboards built for vLLM
+read the ``vllm:`` ones. In multiprocess mode each name is summed across processes alike.
 """
 
 from __future__ import annotations
@@ -31,27 +35,64 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 REQUEST_LATENCY_BUCKETS = LATENCY_BUCKETS + (60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+def both(name: str) -> tuple[str, ...]:
+    """A metric's two names: hookllm's, and vLLM's, which routers and dashboards built for vLLM read."""
+    return ("hookllm:" + name, "vllm:" + name)
+
+
+def own(name: str) -> tuple[str, ...]:
+    """A metric vLLM has no counterpart of: hookllm's name only."""
+    return ("hookllm:" + name,)
+
+
+class Named:
+    """One metric under each of its names (``both``): every update goes to all of them, so the
+    twins report the same values by construction (one observation, one call)."""
+
+    def __init__(self, metrics: list[Any]):
+        self._metrics = metrics
+
+    @classmethod
+    def declare(cls, kind: type, names: tuple[str, ...], doc: str, labelnames: list[str],
+                registry: CollectorRegistry, **options: Any) -> "Named":
+        """A prometheus_client ``kind`` (Counter, Histogram) of each name, in ``registry``."""
+        return cls([kind(name, doc, labelnames, registry=registry, **options) for name in names])
+
+    def labels(self, **labels: str) -> "Named":
+        return Named([metric.labels(**labels) for metric in self._metrics])
+
+    def inc(self, amount: float = 1) -> None:
+        for metric in self._metrics:
+            metric.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for metric in self._metrics:
+            metric.observe(value)
+
+
 class ServerMetrics:
     def __init__(self, engine: AsyncLLM, model_name: str):
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         self.engine_gauges = EngineGauges(engine, model_name)
         self.registry.register(self.engine_gauges)
-        self.prompt_tokens = Counter("hookllm:prompt_tokens", "Prompt tokens of admitted requests.",
-                                     list(labels), registry=self.registry).labels(**labels)
-        self.generation_tokens = Counter("hookllm:generation_tokens", "Generated tokens.",
-                                         list(labels), registry=self.registry).labels(**labels)
-        self.ttft = Histogram("hookllm:time_to_first_token_seconds",
-                              "Time from the request's arrival at the server to its first token.",
-                              list(labels), buckets=REQUEST_LATENCY_BUCKETS, registry=self.registry).labels(**labels)
-        self.tpot = Histogram("hookllm:time_per_output_token_seconds", "Time between output tokens.",
-                              list(labels), buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)
-        self.e2e = Histogram("hookllm:e2e_request_latency_seconds",
-                             "Time from the request's arrival at the server to its last token (finished requests).",
-                             list(labels), buckets=REQUEST_LATENCY_BUCKETS, registry=self.registry).labels(**labels)
-        self._finished = Counter("hookllm:request_success", "Finished requests by finish reason "
-                                 "(stop, length, abort, error).", ["model_name", "finished_reason"],
-                                 registry=self.registry)
+
+        def declare(kind: type, names: tuple[str, ...], doc: str, **options: Any) -> Named:
+            return Named.declare(kind, names, doc, list(labels), self.registry, **options).labels(**labels)
+
+        self.prompt_tokens = declare(Counter, both("prompt_tokens"), "Prompt tokens of admitted requests.")
+        self.generation_tokens = declare(Counter, both("generation_tokens"), "Generated tokens.")
+        self.ttft = declare(Histogram, both("time_to_first_token_seconds"),
+                            "Time from the request's arrival at the server to its first token.",
+                            buckets=REQUEST_LATENCY_BUCKETS)
+        self.tpot = declare(Histogram, both("time_per_output_token_seconds"), "Time between output tokens.",
+                            buckets=LATENCY_BUCKETS)
+        self.e2e = declare(Histogram, both("e2e_request_latency_seconds"),
+                           "Time from the request's arrival at the server to its last token (finished requests).",
+                           buckets=REQUEST_LATENCY_BUCKETS)
+        self._finished = Named.declare(Counter, both("request_success"), "Finished requests by finish reason "
+                                       "(stop, length, abort, error).", ["model_name", "finished_reason"],
+                                       self.registry)
         self._model_name = model_name
 
     def request_finished(self, reason: str) -> None:
@@ -68,14 +109,15 @@ class ServerMetrics:
 
 
 class EngineGauges:
-    """The engine's state as gauges, read at scrape time from the stats of its last report."""
+    """The engine's state as gauges, read at scrape time from the stats of its last report: one
+    sample per engine (``hookllm serve --data-parallel-size``), labelled ``engine`` "0", "1", ..."""
 
-    GAUGES: tuple[tuple[str, str, Callable[[SchedulerStats], float]], ...] = (
-        ("hookllm:num_requests_running", "Requests in the running batch.", lambda s: s.num_running_reqs),
-        ("hookllm:num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting_reqs),
-        ("hookllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", lambda s: s.kv_cache_usage),
-        ("hookllm:num_used_kv_blocks", "KV-cache blocks in use.", lambda s: s.num_used_blocks),
-        ("hookllm:num_kv_blocks", "KV-cache blocks in all.", lambda s: s.num_blocks),
+    GAUGES: tuple[tuple[tuple[str, ...], str, Callable[[SchedulerStats], float]], ...] = (
+        (both("num_requests_running"), "Requests in the running batch.", lambda s: s.num_running_reqs),
+        (both("num_requests_waiting"), "Requests waiting to be scheduled.", lambda s: s.num_waiting_reqs),
+        (both("kv_cache_usage_perc"), "Fraction of KV-cache blocks in use (0..1).", lambda s: s.kv_cache_usage),
+        (own("num_used_kv_blocks"), "KV-cache blocks in use.", lambda s: s.num_used_blocks),
+        (own("num_kv_blocks"), "KV-cache blocks in all.", lambda s: s.num_blocks),
     )
 
     def __init__(self, engine: AsyncLLM, model_name: str):
@@ -83,11 +125,14 @@ class EngineGauges:
         self.model_name = model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        stats = self.engine.get_stats()
-        for name, doc, read in self.GAUGES:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], read(stats))
-            yield family
+        engines = self.engine.engine_stats()
+        for names, doc, read in self.GAUGES:
+            values = [read(stats) for stats in engines]
+            for name in names:
+                family = GaugeMetricFamily(name, doc, labels=["model_name", "engine"])
+                for index, value in enumerate(values):
+                    family.add_metric([self.model_name, str(index)], value)
+                yield family
 
 
 _arrival: ContextVar[float] = ContextVar("hookllm_request_arrival")

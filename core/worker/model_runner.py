@@ -33,6 +33,7 @@ from hookllm.worker.cuda_graph import CudaGraphRunner
 from hookllm.worker.forward_context import AttentionMetadata, set_forward_context
 from hookllm.outputs import Logprob, LogprobsEntry
 from hookllm.worker.penalties import AdjustedRows, LogitsAdjuster
+from hookllm.worker.pipeline_stage import PipelineStage
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.sched.output import SchedulerOutput
 from hookllm.utils import to_device_async
@@ -189,6 +190,7 @@ class ModelRunner:
         self.block_size = block_size
         self.attention_backend = attention_backend
         self.cuda_graphs: CudaGraphRunner | None = None  # set by the worker unless enforce_eager
+        self.stage: PipelineStage | None = None  # set by the worker under pipeline parallelism
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.requests: dict[str, CachedRequestState] = {}
         # Penalties, logit bias, allowed tokens, bad words: device state for the requests using them.
@@ -307,6 +309,8 @@ class ModelRunner:
             inputs.inputs_embeds = self.encoder.input_embeddings(batch.requests, batch.num_scheduled_tokens,
                                                                  inputs.query_start, inputs.input_ids)
         self.hooks.hook.prepare_inputs(batch=batch, inputs=inputs, model=self.model, context=self.hooks.context)
+        if self.stage is not None:
+            return self._forward_stage(inputs), inputs
         graphs = self.cuda_graphs
         if (graphs is not None and inputs.inputs_embeds is None
                 and graphs.can_run(inputs.input_ids.shape[0], len(batch.requests), inputs.max_query_len,
@@ -317,6 +321,17 @@ class ModelRunner:
         with set_forward_context(inputs.attention_metadata(self.attention_backend)):
             hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.inputs_embeds)
         return hidden_states, inputs
+
+    def _forward_stage(self, inputs: ModelInputs) -> torch.Tensor:
+        """One pipeline stage's forward: the previous stage's output in, this one's out to the next."""
+        stage = self.stage
+        intermediate = None if stage.is_first else stage.receive(inputs.positions.shape[0])
+        with set_forward_context(inputs.attention_metadata(self.attention_backend)):
+            hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.inputs_embeds,
+                                       intermediate_tensors=intermediate)
+        if not stage.is_last:
+            stage.send(hidden_states)
+        return hidden_states
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput, previous: StepOutput | None = None) -> StepOutput | None:
@@ -335,6 +350,8 @@ class ModelRunner:
             return None
         batch = self.make_batch(scheduler_output, previous)
         hidden_states, inputs = self.forward(batch, scheduler_output)
+        if self.stage is not None and not self.stage.is_last:
+            return self._await_sampled(batch, previous)
         prompt_logprobs = self._prompt_logprobs(batch, hidden_states, inputs) if self.prompt_logprob_ids else None
         if not batch.sampling_requests:
             if not prompt_logprobs:
@@ -360,6 +377,16 @@ class ModelRunner:
         _run_jobs(jobs)
         return StepOutput(request_ids, self._sample(logits, batch, adjusted, jobs), prompt_logprobs)
 
+    def _await_sampled(self, batch: Batch, previous: StepOutput | None) -> StepOutput | None:
+        """A stage before the last: the step's tokens come from the last stage when it finishes
+        (the worker finishes every step at once, so all stages meet in the broadcast). A step
+        that samples nothing carries the in-flight tokens, as the last stage does."""
+        if not batch.sampling_requests:
+            return StepOutput(previous.request_ids, SampledTokens(previous.sampled)) if previous is not None else None
+        num_rows = len(batch.sampling_requests)
+        return StepOutput([r.request_id for r in batch.sampling_requests], device=self.device,
+                          deferred=lambda: SampledTokens(self.stage.receive_sampled(num_rows)))
+
     def _job_thread(self) -> ThreadPoolExecutor:
         """The one background thread that runs logits jobs, made for the first deferred step."""
         if self.job_thread is None:
@@ -384,6 +411,8 @@ class ModelRunner:
         self.hooks.hook.process_logits(logits=logits, batch=batch, context=self.hooks.context)
         sampled = self.hooks.hook.sample(logits=logits, batch=batch, context=self.hooks.context)
         self._check_sampled(sampled, logits.shape[0])
+        if self.stage is not None:
+            self.stage.share_sampled(sampled)
         self.logits_adjuster.record_sampled(adjusted, sampled)
         return self._sampled_tokens(logits, batch, sampled)
 

@@ -1,11 +1,12 @@
-"""Tensor parallelism: one worker process per rank, driven by the engine's plain snapshots.
+"""Tensor and pipeline parallelism: one worker process per rank, driven by the engine's plain snapshots.
 
-The engine's process keeps the scheduler and the output processor; ``tensor_parallel_size``
-spawned processes each own one shard of the model and its KV cache (``hookllm.distributed``,
-NCCL on GPUs, gloo on the CPU). Each step's ``SchedulerOutput`` goes to every rank through a
-pipe; the ranks run the same forward in lockstep (the parallel layers' collectives carry the
-tensors) and sample the same tokens from the same all-gathered logits and generators; rank 0
-sends the sampled ids back. A rank that raises sends its error; a rank that dies closes its
+The engine's process keeps the scheduler and the output processor; ``tensor_parallel_size x
+pipeline_parallel_size`` spawned processes each own one shard of one stage of the model and
+its KV cache (``hookllm.distributed``, NCCL on GPUs, gloo on the CPU). Each step's
+``SchedulerOutput`` goes to every rank through a pipe; the ranks run the same step in lockstep
+(the parallel layers' collectives and the stages' sends carry the tensors); the last stage's
+ranks sample the same tokens from the same all-gathered logits and generators, and its first
+rank (the reporting rank) sends the sampled ids back. A rank that raises sends its error; a rank that dies closes its
 sentinel: either ends the engine with an error naming the rank, never a hang.
 """
 
@@ -36,19 +37,19 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connec
     try:
         import torch
 
-        from hookllm.distributed import init_custom_all_reduce, init_tensor_parallel
+        from hookllm.distributed import init_custom_all_reduce, init_model_parallel
         from hookllm.worker.worker import Worker
 
-        size = config.tensor_parallel_size
         cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-        init_tensor_parallel(rank, size, "nccl" if cuda else "gloo", init_method, device if cuda else None)
+        init_model_parallel(rank, config.world_size, config.pipeline_parallel_size, "nccl" if cuda else "gloo",
+                            init_method, device if cuda else None)
         if config.custom_all_reduce and cuda:
             init_custom_all_reduce(device)
         worker = Worker.from_config(replace(config, device=str(device)))
         conn.send(("ready", (worker.num_kv_blocks, worker.num_host_blocks, worker.kv_cache_groups,
                              worker.startup_seconds, worker.quantization_summary)))
-        sender = _ResultSender(conn) if rank == 0 else None
+        sender = _ResultSender(conn) if rank == reporting_rank(config) else None
         previous = None
         while True:
             message = conn.recv()
@@ -62,7 +63,8 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connec
             previous = worker.execute(scheduler_output, previous if has_previous else None)
             if previous is not None:
                 # Sampled here, not in the sender thread, and by every rank alike (a deferred step
-                # might otherwise be left unsampled on some): logits jobs do not overlap under TP.
+                # might otherwise be left unsampled on some): logits jobs do not overlap under TP,
+                # and the stages before the last receive the sampled ids now.
                 previous.finish()
             if sender is not None:
                 sender.put(previous)
@@ -89,8 +91,13 @@ def _call(worker: Any, method: Any, args: tuple, kwargs: dict[str, Any] | None) 
         return False, traceback.format_exc()
 
 
+def reporting_rank(config: EngineConfig) -> int:
+    """The rank that sends each step's sampled ids to the driver: the last stage's first."""
+    return config.world_size - config.tensor_parallel_size
+
+
 class _ResultSender:
-    """Rank 0's sampled tokens go back from a thread, so the rank receives and launches the next
+    """The reporting rank's sampled tokens go back from a thread, so the rank receives and launches the next
     step while this one's tokens are still being copied to the host."""
 
     def __init__(self, conn: Connection):
@@ -121,13 +128,13 @@ class _ResultSender:
                                       if step_output is not None else None))
 
 
-# Rank 0's answer for one step: (token ids, logprobs entries) and the prompt logprobs by request.
+# The reporting rank's answer for one step: (token ids, logprobs entries) and the prompt logprobs by request.
 RankAnswer = tuple[tuple[list[int], list[LogprobsEntry | None]], dict[str, list[LogprobsEntry]]]
 
 
 class RemoteStepOutput:
-    """A step running on the ranks (a ``StepResult``): ``resolve`` reads rank 0's answer (they
-    come in step order)."""
+    """A step running on the ranks (a ``StepResult``): ``resolve`` reads the reporting rank's
+    answer (they come in step order)."""
 
     def __init__(self, workers: "MultiprocWorkers"):
         self.workers = workers
@@ -149,21 +156,22 @@ class RemoteStepOutput:
 
 
 class MultiprocWorkers:
-    """The driver's handle on ``tensor_parallel_size`` worker processes: the engine's executor
+    """The driver's handle on ``world_size`` worker processes: the engine's executor
     (``hookllm.worker.executor.Executor``) when the model runs apart."""
 
     def __init__(self, config: EngineConfig):
-        size = config.tensor_parallel_size
+        size = config.world_size
+        self.reporting_rank = reporting_rank(config)
         context = multiprocessing.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.processes: list[Any] = []
         self.conns: list[Connection] = []
-        self.awaiting: list[RemoteStepOutput] = []  # steps whose tokens rank 0 has not sent yet
+        self.awaiting: list[RemoteStepOutput] = []  # steps whose tokens have not come back yet
         self.inbox: list[deque[tuple[str, Any]]] = [deque() for _ in range(size)]  # read, not yet taken
         for rank in range(size):
             parent, child = context.Pipe()
             process = context.Process(target=_worker_main, args=(config, rank, init_method, child),
-                                      name=f"hookllm-tp-rank{rank}", daemon=True)
+                                      name=f"hookllm-rank{rank}", daemon=True)
             process.start()
             child.close()
             self.processes.append(process)
@@ -176,7 +184,13 @@ class MultiprocWorkers:
         device_blocks, host_blocks, groups, startup_seconds, quantization = zip(*ready)
         # Every rank holds its shard of each block (device and host): the smallest cache bounds all.
         self.num_kv_blocks, self.num_host_blocks = min(device_blocks), min(host_blocks)
-        self.kv_cache_groups = groups[0]  # alike on every rank: the same layers, each with its shard of the heads
+        # One block table per group for all ranks: each stage's layers must group alike.
+        if len({g.windows for g in groups}) > 1:
+            self.shutdown()
+            raise ValueError("pipeline stages group their layers' sliding windows differently "
+                             f"({', '.join(str(g.windows) for g in groups)}); set HOOKLLM_PP_LAYER_PARTITION "
+                             "so that every stage holds the same kinds of layers")
+        self.kv_cache_groups = groups[0]
         # For the engine's start-up summary: rank 0's, as every rank builds the same.
         self.startup_seconds, self.quantization_summary = startup_seconds[0], quantization[0]
 
@@ -186,7 +200,7 @@ class MultiprocWorkers:
         worker; any other returns its answer to come (empty when the step sampled nothing)."""
         self._send_all(("step", (scheduler_output, previous is not None)))
         step = RemoteStepOutput(self)
-        self.awaiting.append(step)  # rank 0 answers every step, in order
+        self.awaiting.append(step)  # the reporting rank answers every step, in order
         return None if scheduler_output.is_empty() else step
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
@@ -210,9 +224,9 @@ class MultiprocWorkers:
                 self._fail(rank, "its pipe closed")
 
     def receive_next_result(self) -> None:
-        """Take rank 0's next answer for the oldest awaiting step."""
+        """Take the reporting rank's next answer for the oldest awaiting step."""
         step = self.awaiting.pop(0)
-        step.result = self._receive(0, "result", None) or (([], []), {})
+        step.result = self._receive(self.reporting_rank, "result", None) or (([], []), {})
 
     def _receive(self, rank: int, kind: str, timeout_s: float | None) -> Any:
         """The next message of ``kind`` from ``rank``, watching every rank for errors and deaths."""
@@ -245,7 +259,7 @@ class MultiprocWorkers:
 
     def _fail(self, rank: int, cause: str) -> None:
         self.shutdown()
-        raise WorkerError(f"tensor-parallel worker rank {rank} failed: {cause.strip()}")
+        raise WorkerError(f"worker rank {rank} failed: {cause.strip()}")
 
     def shutdown(self) -> None:
         """Stop every rank (politely, then by force); safe to call twice."""

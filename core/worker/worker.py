@@ -17,7 +17,9 @@ from torch import nn
 
 from hookllm.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, text_config_of
 from hookllm.worker.cuda_graph import CudaGraphRunner
-from hookllm.distributed import check_tensor_parallel, set_expert_parallel
+from hookllm.distributed import (
+    check_pipeline_parallel, check_tensor_parallel, is_first_stage, is_last_stage, set_expert_parallel,
+)
 from hookllm.worker.forward_context import AttentionMetadata, set_forward_context
 from hookllm.kernels import get_attention_backend, resolve_attention_backend
 from hookllm.kernels.reference import FP8_DTYPE
@@ -25,6 +27,7 @@ from hookllm.layers.attention import Attention
 from hookllm.worker import default_hooks
 from hookllm.worker.kv_cache_groups import group_layers
 from hookllm.worker.model_runner import ModelRunner, StepOutput
+from hookllm.worker.pipeline_stage import PipelineStage
 from hookllm.plugins.components import ComponentKind
 from hookllm.plugins.context import EngineContext
 from hookllm.plugins.contract import capability
@@ -54,9 +57,10 @@ def resolve_model(config: EngineConfig, plugin_manager: PluginManager) -> tuple[
     model_config.plugin = owner
     model_config.load_format = config.load_format
     model_cls = registry.resolve(model_config.architecture, owner)
+    num_gpus = torch.cuda.device_count() if device.type == "cuda" else None
     if config.tensor_parallel_size > 1:
-        check_tensor_parallel(model_cls, model_config.hf_config,
-                              config.tensor_parallel_size, torch.cuda.device_count() if device.type == "cuda" else None)
+        check_tensor_parallel(model_cls, model_config.hf_config, config.tensor_parallel_size, num_gpus)
+    check_pipeline_parallel(model_cls, model_config.hf_config, config.pipeline_parallel_size, config.world_size, num_gpus)
     model_config.quantization = resolve_quantization(
         model_config, config.quantization, lambda name: plugin_manager.component(ComponentKind.QUANTIZATION_METHOD, name))
     if model_config.quantization is not None and not capability(model_cls, "supports_quantization"):
@@ -92,7 +96,9 @@ class Worker:
         self.attention_backend = get_attention_backend(backend)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.uses_cuda_graphs = self.device.type == "cuda" and backend == "triton" and not config.enforce_eager
+        # Pipeline stages run eagerly: their graphs would need the received hidden states as inputs.
+        self.uses_cuda_graphs = (self.device.type == "cuda" and backend == "triton" and not config.enforce_eager
+                                 and config.pipeline_parallel_size == 1)
         # Seconds of each start-up phase, in order (logged; benchmarks/startup.py reports them).
         self.startup_seconds: dict[str, float] = {}
         phase = self._phase_timer()
@@ -131,6 +137,8 @@ class Worker:
         self._allocate_host_cache(self.num_host_blocks)
         phase("host_swap_cache")
         self.runner = ModelRunner(model, hooks, self.device, config.block_size, self.attention_backend, config.seed)
+        if config.pipeline_parallel_size > 1:
+            self.runner.stage = PipelineStage(text_config_of(model_config.hf_config).hidden_size, self.dtype, self.device)
         if self.uses_cuda_graphs:
             self.runner.cuda_graphs = CudaGraphRunner(
                 model, text_config_of(model_config.hf_config).hidden_size, self.dtype, self.device,
@@ -142,7 +150,7 @@ class Worker:
             )
             phase("cuda_graphs")
         # Compiling on first use would land in the first requests' latency (hookllm.worker.warmup).
-        if config.warmup and self.device.type == "cuda":
+        if config.warmup and self.device.type == "cuda" and self.runner.stage is None:
             warm_up(self)
             phase("warmup")
         # The engine's start-up summary reports these (hookllm.engine.llm_engine); under tensor
@@ -227,8 +235,15 @@ class Worker:
         before = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode(), set_forward_context(metadata):
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-            hidden = self.model(ids, torch.arange(num_tokens, device=self.device) % self.model_config.max_model_len)
-            self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])
+            positions = torch.arange(num_tokens, device=self.device) % self.model_config.max_model_len
+            stage = {}
+            if self.config.pipeline_parallel_size > 1:  # a later stage's input: the previous one's output
+                hidden_size = text_config_of(self.model_config.hf_config).hidden_size
+                stage["intermediate_tensors"] = (None if is_first_stage() else
+                                                 torch.zeros(2, num_tokens, hidden_size, dtype=self.dtype, device=self.device))
+            hidden = self.model(ids, positions, **stage)
+            if is_last_stage():
+                self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         self._allocate_kv_cache(0)
