@@ -172,6 +172,14 @@ class EngineConfig:
         None, "where the model runs: uni, in the engine's process (one rank only), or mp, a process per rank, "
         "which at tensor_parallel_size 1 runs the worker's host work (inputs, launches) beside the scheduler's "
         "and the output processing (default: uni for one rank, mp for several)", choices=list(EXECUTOR_BACKENDS))
+    nnodes: int = _option(1, "hosts one engine's ranks run on (the mp executor): the same command on each, with its "
+                          "--node-rank; nodes after the first run --headless")
+    node_rank: int = _option(0, "this host's index among the --nnodes (0: the engine and the API server)")
+    master_addr: str | None = _option(None, "node 0's address as the other nodes reach it (needed with --nnodes > 1)")
+    master_port: int | None = _option(None, "torch.distributed's rendezvous port on node 0; the ranks' step "
+                                            "connections use the next port (default: 29500 with --nnodes > 1, "
+                                            "a free port on one node)")
+    distributed_timeout: float = _option(600.0, "seconds for every node to join, and for the ranks to connect")
     custom_all_reduce: bool = _option(False, "tensor parallelism on CUDA: all-reduces up to 512 KiB through a "
                                       "one-shot kernel over the ranks' CUDA IPC buffers instead of NCCL (off by default "
                                       "until measured on two GPUs)")
@@ -189,12 +197,20 @@ class EngineConfig:
     @property
     def worker_in_own_process(self) -> bool:
         """Whether the model runs in worker processes (``distributed_executor_backend``'s "mp")."""
-        return self.world_size > 1 or self.distributed_executor_backend == "mp"
+        return self.world_size > 1 or self.nnodes > 1 or self.distributed_executor_backend == "mp"
 
     @property
     def world_size(self) -> int:
         """Ranks of one engine: tensor-parallel ranks times pipeline stages."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def rendezvous(self) -> str | None:
+        """torch.distributed's init URL for the ranks when ``master_port`` fixes it (several
+        nodes), else None (one node picks a free port)."""
+        if self.master_port is None:
+            return None
+        return f"tcp://{self.master_addr or '127.0.0.1'}:{self.master_port}"
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -226,6 +242,23 @@ class EngineConfig:
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size is "
                              f"{self.tensor_parallel_size} and pipeline_parallel_size {self.pipeline_parallel_size} (use 'mp')")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in 0 .. nnodes - 1, got node_rank={self.node_rank} nnodes={self.nnodes}")
+        if self.nnodes > 1:
+            if not self.master_addr:
+                raise ValueError(f"nnodes={self.nnodes} needs master_addr (--master-addr): node 0's address")
+            if self.master_port is None:
+                self.master_port = 29500
+            if self.world_size % self.nnodes:
+                raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} ranks do not "
+                                 f"split evenly over nnodes={self.nnodes}")
+            if self.distributed_executor_backend == "uni":
+                raise ValueError("distributed_executor_backend='uni' runs one rank; nnodes > 1 needs 'mp'")
+            if self.data_parallel_size > 1:
+                raise ValueError("data_parallel_size > 1 with nnodes > 1 is not offered: run one engine per group "
+                                 "of nodes, behind a router")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
         if self.pipeline_parallel_size > 1 and self.custom_all_reduce:
             raise ValueError("custom_all_reduce is not offered with pipeline_parallel_size > 1 (NCCL all-reduces "
                              "within each stage)")

@@ -136,6 +136,10 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return not self._stopped.is_set()
 
+    def wait_stopped(self, timeout_s: float | None = None) -> bool:
+        """Wait until the engine loop has stopped (shut down, or its process died); True if it has."""
+        return self._stopped.wait(timeout_s)
+
     def get_stats(self) -> SchedulerStats:
         """Running/waiting requests and KV use as of the engine's last report (no waiting on a
         step; its first comes as it starts, before any request); summed over the engines under

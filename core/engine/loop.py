@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from hookllm.worker.multiproc_executor import WorkerError
 from hookllm.engine.llm_engine import LLMEngine
 from hookllm.engine.messages import (AbortRequests, AddRequest, Command, EngineReport, RequestAdded, Shutdown,
                                      pack_output)
@@ -113,6 +114,9 @@ class EngineLoop:
             for client, report in reports.items():
                 report.failed_ids = failed.get(client, [])
                 report.failure = f"the engine step failed: {type(exc).__name__}: {exc}"
+            if isinstance(exc, WorkerError):  # its ranks are gone: no later step can run
+                self._send_reports(reports)
+                raise
             return
         for output in outputs:
             rid = output.request_id

@@ -58,6 +58,9 @@ def add_parsers(subparsers: argparse._SubParsersAction, plugin_parser: argparse.
     serve.add_argument("--disable-log-requests", action="store_false", dest="enable_log_requests",
                        default=argparse.SUPPRESS,
                        help="vLLM's older flag, accepted: requests are not logged unless --enable-log-requests")
+    serve.add_argument("--headless", action="store_true",
+                       help="with --nnodes: run this node's ranks only (no API server, no engine); every node "
+                            "but node 0 runs so")
     serve.add_argument("--api-server-count", type=int, default=1, metavar="N",
                        help="API server processes sharing the port and the engine process(es): more than one when "
                             "a single process's event loop cannot keep up with the streams")
@@ -119,6 +122,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (the parser that reads the calls)")
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.headless:
+        return _run_headless(args)
+    if args.node_rank > 0:
+        raise ValueError(f"--node-rank {args.node_rank}: the nodes after node 0 run ranks only: add --headless")
     args.chat_template = read_chat_template(args.chat_template)  # the text from here on
     # The key travels in an HTTP header: an empty one would leave the server open.
     if args.api_key is not None and not re.fullmatch(r"[!-~]+", args.api_key):
@@ -129,11 +136,21 @@ def run_serve(args: argparse.Namespace) -> int:
         config.plugins = with_json_schema_plugin(config.plugins, installed_plugins())
         if args.api_server_count > 1:
             return _run_api_servers(args, config, sock)
-        _serve(args, AsyncLLM.from_engine_config(config), sock)
-        return 0
+        return _serve(args, AsyncLLM.from_engine_config(config), sock)
     finally:  # also when _serve ends with the SystemExit of a SIGTERM
         sock.close()
         _stop_resource_tracker()
+
+
+def _run_headless(args: argparse.Namespace) -> int:
+    """A node of ranks only: no port, no API server; it ends when the engine stops its ranks."""
+    from hookllm.hub import with_local_paths
+    from hookllm.worker.multinode import run_headless
+
+    if args.nnodes < 2 or args.node_rank == 0:
+        raise ValueError(f"--headless runs the ranks of a node after node 0: it needs --nnodes >= 2 and "
+                         f"--node-rank >= 1 (got --nnodes {args.nnodes} --node-rank {args.node_rank})")
+    return run_headless(with_local_paths(EngineArgs.from_cli_args(args).create_engine_config()))
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -149,9 +166,13 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket) -> None:
+def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket) -> int:
     """Serve ``engine`` (an ``AsyncLLM``) on ``sock`` (bound to ``--host`` and ``--port``, maybe
-    shared with other API server processes) until SIGTERM or SIGINT."""
+    shared with other API server processes) until SIGTERM or SIGINT (status 0), or until the
+    engine dies (status 1: its requests have failed with an error; a server that cannot serve
+    exits, so a supervisor restarts it)."""
+    import threading
+
     import uvicorn
 
     from hookllm.hub import short_model_name
@@ -179,7 +200,18 @@ def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket) -> None:
         host, port = sock.getsockname()[:2]
         # uvicorn says where it listens only for a socket it bound itself.
         logger.info("serving on http://%s:%d", f"[{host}]" if ":" in host else host, port)
+        engine_died = threading.Event()
+
+        def stop_when_the_engine_dies() -> None:
+            while not server.should_exit:
+                if engine.wait_stopped(1.0) and not server.should_exit:
+                    logger.error("the engine stopped: shutting the server down")
+                    engine_died.set()
+                    server.should_exit = True
+
+        threading.Thread(target=stop_when_the_engine_dies, name="hookllm-engine-watch", daemon=True).start()
         server.run(sockets=[sock])
+        return 1 if engine_died.is_set() else 0
     finally:
         engine.shutdown()
 
@@ -267,7 +299,7 @@ def _api_server_main(args: argparse.Namespace, config: Any, conns: tuple[Any, ..
     configure_logging(args.log_level)  # spawned: it inherits no logging setup, only the resolved level
     # A SIGTERM while this server still starts (nothing to drain yet) is a clean stop too.
     signal.signal(signal.SIGTERM, _exit_after_shutdown)
-    _serve(args, AsyncLLM(config=config, connections=list(conns)), sock)
+    raise SystemExit(_serve(args, AsyncLLM(config=config, connections=list(conns)), sock))
 
 
 def _exit_after_shutdown(signum: int, frame: Any) -> None:

@@ -32,8 +32,9 @@ class WorkerError(RuntimeError):
     """A tensor-parallel rank raised or died; the message names the rank and the cause."""
 
 
-def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connection) -> None:
-    """One rank: join the group, build the worker, then run every snapshot the driver sends."""
+def worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connection) -> None:
+    """One rank: join the group, build the worker, then run every snapshot the driver sends
+    (over a pipe from the engine's node, or a connection from another node's)."""
     try:
         import torch
 
@@ -41,9 +42,11 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connec
         from hookllm.worker.worker import Worker
 
         cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
-        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        from hookllm.worker.multinode import ranks_per_node
+
+        device = torch.device("cuda", rank % ranks_per_node(config)) if cuda else torch.device("cpu")
         init_model_parallel(rank, config.world_size, config.pipeline_parallel_size, "nccl" if cuda else "gloo",
-                            init_method, device if cuda else None)
+                            init_method, device if cuda else None, config.distributed_timeout)
         if config.custom_all_reduce and cuda:
             init_custom_all_reduce(device)
         worker = Worker.from_config(replace(config, device=str(device)))
@@ -160,23 +163,27 @@ class MultiprocWorkers:
     (``hookllm.worker.executor.Executor``) when the model runs apart."""
 
     def __init__(self, config: EngineConfig):
+        from hookllm.worker.multinode import accept_remote_ranks, ranks_per_node
+
         size = config.world_size
         self.reporting_rank = reporting_rank(config)
         context = multiprocessing.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        rendezvous = init_method(config)
         self.processes: list[Any] = []
         self.conns: list[Connection] = []
         self.awaiting: list[RemoteStepOutput] = []  # steps whose tokens have not come back yet
         self.inbox: list[deque[tuple[str, Any]]] = [deque() for _ in range(size)]  # read, not yet taken
-        for rank in range(size):
+        for rank in range(ranks_per_node(config)):  # this node's; the others' connect (hookllm.worker.multinode)
             parent, child = context.Pipe()
-            process = context.Process(target=_worker_main, args=(config, rank, init_method, child),
+            process = context.Process(target=worker_main, args=(config, rank, rendezvous, child),
                                       name=f"hookllm-rank{rank}", daemon=True)
             process.start()
             child.close()
             self.processes.append(process)
             self.conns.append(parent)
         try:
+            if config.nnodes > 1:
+                self.conns += accept_remote_ranks(config)
             ready = [self._receive(rank, "ready", READY_TIMEOUT_S) for rank in range(size)]
         except BaseException:
             self.shutdown()
@@ -255,7 +262,8 @@ class MultiprocWorkers:
         try:
             return self.conns[rank].recv()
         except (EOFError, OSError):
-            self._fail(rank, f"the process exited with code {self.processes[rank].exitcode}")
+            self._fail(rank, f"the process exited with code {self.processes[rank].exitcode}"
+                       if rank < len(self.processes) else "its connection from another node closed")
 
     def _fail(self, rank: int, cause: str) -> None:
         self.shutdown()
@@ -276,6 +284,12 @@ class MultiprocWorkers:
         for conn in self.conns:
             conn.close()
         self.conns, self.processes = [], []
+
+
+def init_method(config: EngineConfig) -> str:
+    """The ranks' rendezvous: ``master_addr:master_port`` when set (several nodes), else a free
+    port of this host."""
+    return config.rendezvous or f"tcp://127.0.0.1:{_free_port()}"
 
 
 def _free_port() -> int:
