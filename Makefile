@@ -23,12 +23,13 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/hookllm generate --max-tokens 48 "What is the capital of France?"
 
-# `make test TEST_WORKERS=N` runs the suite on N pytest-xdist processes; --dist loadfile keeps each
-# test file on one of them, so a module's shared server or spawned ranks start once. Serial by
-# default: on 2 cores the tests' own spawned ranks and servers already use the second core, and two
-# workers measured slower (824 s against 665 s).
-TEST_WORKERS ?= 0
+# `make test TEST_WORKERS=N` runs the suite on N pytest-xdist processes (0: serially); --dist
+# loadfile keeps each test file on one of them, so a module's shared server or spawned ranks start
+# once. One torch thread per process: the workers, their spawned ranks and servers share the
+# cores (on 2 cores: 486 s with two workers, 706 s serially with torch's default threads).
+TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
+test test-minimums: export OMP_NUM_THREADS := 1
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ DTYPES = {
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 is e4m3 (vLLM's names)
 PREEMPTION_MODES = ("recompute", "swap")
-EXECUTOR_BACKENDS = ("uni", "mp")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # "transformers" is the bundled fallback plugin (hookllm.adapters.transformers; docs/models.md).
 MODEL_IMPLS = ("auto", "native", "transformers")
 
@@ -171,7 +172,8 @@ class EngineConfig:
     distributed_executor_backend: str | None = _option(
         None, "where the model runs: uni, in the engine's process (one rank only), or mp, a process per rank, "
         "which at tensor_parallel_size 1 runs the worker's host work (inputs, launches) beside the scheduler's "
-        "and the output processing (default: uni for one rank, mp for several)", choices=list(EXECUTOR_BACKENDS))
+        "and the output processing, or ray, a Ray actor per rank on a running Ray cluster (pip install "
+        "'hookllm[ray]') (default: uni for one rank, mp for several)", choices=list(EXECUTOR_BACKENDS))
     nnodes: int = _option(1, "hosts one engine's ranks run on (the mp executor): the same command on each, with its "
                           "--node-rank; nodes after the first run --headless")
     node_rank: int = _option(0, "this host's index among the --nnodes (0: the engine and the API server)")
@@ -197,7 +199,7 @@ class EngineConfig:
     @property
     def worker_in_own_process(self) -> bool:
         """Whether the model runs in worker processes (``distributed_executor_backend``'s "mp")."""
-        return self.world_size > 1 or self.nnodes > 1 or self.distributed_executor_backend == "mp"
+        return self.world_size > 1 or self.nnodes > 1 or self.distributed_executor_backend in ("mp", "ray")
 
     @property
     def world_size(self) -> int:
@@ -237,6 +239,13 @@ class EngineConfig:
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
                              f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray":
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError("distributed_executor_backend='ray' needs Ray, which is not installed: "
+                                 "pip install 'hookllm[ray]'")
+            if self.nnodes > 1:
+                raise ValueError("nnodes is the mp executor's: under distributed_executor_backend='ray' the Ray "
+                                 "cluster places the ranks on its nodes")
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         if self.distributed_executor_backend == "uni" and self.world_size > 1:

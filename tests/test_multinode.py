@@ -77,7 +77,7 @@ def test_headless_on_node_0_is_refused(tiny_llama_dir):
 
 def test_a_node_that_never_joins_fails_the_engine_within_the_timeout(tiny_llama_dir):
     start = time.monotonic()
-    with pytest.raises(WorkerError, match=r"ranks \[1\] \(nodes \[1\]\) did not join within 3 s"):
+    with pytest.raises(WorkerError, match=r"ranks \[1\] did not join within 3 s"):
         LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=8, tensor_parallel_size=2, nnodes=2,
             master_addr=HOST, master_port=free_port(), distributed_timeout=3)
     assert time.monotonic() - start < 60

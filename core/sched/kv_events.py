@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 import msgspec
-import zmq
 
 # vLLM's ExternalBlockHash: a hash as bytes (hookllm's SHA-256 digests) or an int.
 BlockHash = Union[bytes, int]
@@ -143,9 +142,11 @@ class KVEventPublisher:
         self.data_parallel_rank = data_parallel_rank
         self.next_seq = 0
         self.encoder = msgspec.msgpack.Encoder()
-        self.context: zmq.Context | None = None
-        self.socket: zmq.Socket | None = None
+        self.context: Any = None  # zmq's context and PUB socket: imported only when events are published
+        self.socket: Any = None
         if config.publisher == "zmq":
+            import zmq
+
             self.context = zmq.Context()
             self.socket = self.context.socket(zmq.PUB)
             try:

@@ -61,7 +61,12 @@ class Executor(Protocol):
 
 
 def make_executor(config: EngineConfig, model_config: ModelConfig, hooks: ActiveHooks) -> Executor:
-    """The in-process worker, or one process per rank (several ranks, or asked to run apart)."""
+    """The in-process worker, one process per rank (several ranks, or asked to run apart), or
+    one Ray actor per rank."""
+    if config.distributed_executor_backend == "ray":
+        from hookllm.worker.ray_executor import RayWorkers
+
+        return RayWorkers(config)
     if config.worker_in_own_process:
         return MultiprocWorkers(config)
     return Worker(config, model_config, hooks)

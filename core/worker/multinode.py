@@ -60,15 +60,21 @@ def identity_mismatches(ours: dict[str, Any], theirs: dict[str, Any]) -> list[st
 
 
 def accept_remote_ranks(config: EngineConfig) -> list[Connection]:
-    """On the engine's node: the connections of every rank on the other nodes, by rank, once all
-    have joined. ``WorkerError`` if some have not within ``distributed_timeout`` seconds, or one
-    disagrees about the model or sizes."""
+    """On the engine's node: the connections of every rank on the other nodes, by rank."""
+    listener = multiprocessing.connection.Listener(step_address(config), backlog=config.world_size,
+                                                   authkey=AUTHKEY)
+    ranks = range(ranks_per_node(config), config.world_size)
+    return accept_ranks(listener, ranks, rank_identity(config), config.distributed_timeout)
+
+
+def accept_ranks(listener: multiprocessing.connection.Listener, ranks: range, identity: dict[str, Any],
+                 timeout_s: float) -> list[Connection]:
+    """The connection of each of ``ranks``, in rank order, once all have joined on ``listener``
+    (closed then). ``WorkerError`` if some have not within ``timeout_s``, or one disagrees with
+    ``identity`` (the engine's :func:`rank_identity`)."""
     from hookllm.worker.multiproc_executor import WorkerError
 
-    first = ranks_per_node(config)
-    expected = set(range(first, config.world_size))
-    ours = rank_identity(config)
-    listener = multiprocessing.connection.Listener(step_address(config), backlog=len(expected), authkey=AUTHKEY)
+    expected = set(ranks)
     conns: dict[int, Connection] = {}
     problems: list[str] = []
 
@@ -79,7 +85,7 @@ def accept_remote_ranks(config: EngineConfig) -> list[Connection]:
                 tag, (rank, theirs) = conn.recv()
             except (OSError, EOFError, multiprocessing.AuthenticationError, ValueError, TypeError):
                 return  # the listener closed (the deadline passed), or a stray connection
-            mismatches = identity_mismatches(ours, theirs)
+            mismatches = identity_mismatches(identity, theirs)
             if tag != "hello" or rank not in expected or rank in conns or mismatches:
                 problems.append(f"rank {rank} disagrees with the engine: {'; '.join(mismatches)}" if mismatches
                                 else f"an unexpected rank {rank!r} joined")
@@ -89,7 +95,7 @@ def accept_remote_ranks(config: EngineConfig) -> list[Connection]:
 
     joining = threading.Thread(target=accept_all, name="hookllm-accept-ranks", daemon=True)
     joining.start()
-    joining.join(config.distributed_timeout)
+    joining.join(timeout_s)
     listener.close()  # ends a pending accept
     joining.join(5.0)
     if problems or len(conns) < len(expected):
@@ -97,8 +103,7 @@ def accept_remote_ranks(config: EngineConfig) -> list[Connection]:
             conn.close()
         missing = sorted(expected - set(conns))
         raise WorkerError(problems[0] if problems else
-                          f"ranks {missing} (nodes {sorted({r // first for r in missing})}) did not join within "
-                          f"{config.distributed_timeout:.0f} s (distributed_timeout)")
+                          f"ranks {missing} did not join within {timeout_s:.0f} s (distributed_timeout)")
     return [conns[rank] for rank in sorted(conns)]
 
 

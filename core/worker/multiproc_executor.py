@@ -32,9 +32,11 @@ class WorkerError(RuntimeError):
     """A tensor-parallel rank raised or died; the message names the rank and the cause."""
 
 
-def worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connection) -> None:
+def worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connection,
+                device_index: int | None = None) -> None:
     """One rank: join the group, build the worker, then run every snapshot the driver sends
-    (over a pipe from the engine's node, or a connection from another node's)."""
+    (over a pipe from the engine's node, or a connection from another node's). On CUDA it runs
+    on GPU ``device_index`` (default: its index among its node's ranks)."""
     try:
         import torch
 
@@ -44,7 +46,9 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connect
         cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
         from hookllm.worker.multinode import ranks_per_node
 
-        device = torch.device("cuda", rank % ranks_per_node(config)) if cuda else torch.device("cpu")
+        if device_index is None:
+            device_index = rank % ranks_per_node(config)
+        device = torch.device("cuda", device_index) if cuda else torch.device("cpu")
         init_model_parallel(rank, config.world_size, config.pipeline_parallel_size, "nccl" if cuda else "gloo",
                             init_method, device if cuda else None, config.distributed_timeout)
         if config.custom_all_reduce and cuda:
@@ -163,27 +167,14 @@ class MultiprocWorkers:
     (``hookllm.worker.executor.Executor``) when the model runs apart."""
 
     def __init__(self, config: EngineConfig):
-        from hookllm.worker.multinode import accept_remote_ranks, ranks_per_node
-
         size = config.world_size
         self.reporting_rank = reporting_rank(config)
-        context = multiprocessing.get_context("spawn")
-        rendezvous = init_method(config)
-        self.processes: list[Any] = []
-        self.conns: list[Connection] = []
+        self.processes: list[Any] = []  # the ranks this process started (on this node)
+        self.conns: list[Connection] = []  # one per rank, in rank order
         self.awaiting: list[RemoteStepOutput] = []  # steps whose tokens have not come back yet
         self.inbox: list[deque[tuple[str, Any]]] = [deque() for _ in range(size)]  # read, not yet taken
-        for rank in range(ranks_per_node(config)):  # this node's; the others' connect (hookllm.worker.multinode)
-            parent, child = context.Pipe()
-            process = context.Process(target=worker_main, args=(config, rank, rendezvous, child),
-                                      name=f"hookllm-rank{rank}", daemon=True)
-            process.start()
-            child.close()
-            self.processes.append(process)
-            self.conns.append(parent)
         try:
-            if config.nnodes > 1:
-                self.conns += accept_remote_ranks(config)
+            self._start_ranks(config)
             ready = [self._receive(rank, "ready", READY_TIMEOUT_S) for rank in range(size)]
         except BaseException:
             self.shutdown()
@@ -200,6 +191,24 @@ class MultiprocWorkers:
         self.kv_cache_groups = groups[0]
         # For the engine's start-up summary: rank 0's, as every rank builds the same.
         self.startup_seconds, self.quantization_summary = startup_seconds[0], quantization[0]
+
+    def _start_ranks(self, config: EngineConfig) -> None:
+        """Spawn this node's ranks, each with a pipe; with several nodes, take the connections of
+        the others' ranks (``hookllm.worker.multinode``)."""
+        from hookllm.worker.multinode import accept_remote_ranks, ranks_per_node
+
+        context = multiprocessing.get_context("spawn")
+        rendezvous = init_method(config)
+        for rank in range(ranks_per_node(config)):
+            parent, child = context.Pipe()
+            process = context.Process(target=worker_main, args=(config, rank, rendezvous, child),
+                                      name=f"hookllm-rank{rank}", daemon=True)
+            process.start()
+            child.close()
+            self.processes.append(process)
+            self.conns.append(parent)
+        if config.nnodes > 1:
+            self.conns += accept_remote_ranks(config)
 
     def execute(self, scheduler_output: SchedulerOutput,
                 previous: RemoteStepOutput | None = None) -> RemoteStepOutput | None:
@@ -289,10 +298,10 @@ class MultiprocWorkers:
 def init_method(config: EngineConfig) -> str:
     """The ranks' rendezvous: ``master_addr:master_port`` when set (several nodes), else a free
     port of this host."""
-    return config.rendezvous or f"tcp://127.0.0.1:{_free_port()}"
+    return config.rendezvous or f"tcp://127.0.0.1:{free_port()}"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as sock:
