@@ -4,10 +4,12 @@ the last stage samples. Every configuration answers as one process does."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
+import jsonschema
 import pytest
 from transformers import Qwen3MoeConfig
 
@@ -87,6 +89,19 @@ def test_two_stages_answer_as_one_under_chunked_prefill_preemption_and_prefix_ca
     assert any(b.num_computed_tokens[0] > 0 and b.num_scheduled_tokens[0] > 1 for b in batches), "no chunked prefill"
 
 
+def test_each_stage_has_a_batch_of_other_requests_in_flight(checkpoints):
+    """vLLM's batch queue: while one batch is in the last stage, the next, of other requests, is
+    in the first; a request is scheduled again once its token is back."""
+    llm = cpu_llm(checkpoints["llama"], num_kv_blocks=64, pipeline_parallel_size=2, async_scheduling=False)
+    batches = testing.record_batches(llm.engine)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    expected = run(cpu_llm(checkpoints["llama"], num_kv_blocks=64), PROMPTS[:4], params)
+    assert_same_outputs(expected, run(llm, PROMPTS[:4], params))
+    decodes = [set(b.request_ids) for b in batches if b.request_ids and max(b.num_scheduled_tokens) == 1]
+    assert len(decodes) > 4
+    assert all(not (a & b) for a, b in zip(decodes, decodes[1:])), "consecutive batches share a request"
+
+
 def test_an_uneven_partition_with_tied_embeddings_sampling_n_and_swapping_answers_as_one(checkpoints, monkeypatch):
     """The last stage keeps the embedding its head shares; n > 1 with a seed samples alike; a
     swapped request comes back to every stage's cache."""
@@ -142,3 +157,21 @@ def test_a_killed_stage_ends_the_engine_with_an_error_naming_its_rank(checkpoint
             engine.step()
     assert time.monotonic() - start < 60
     assert not engine.engine_core.executor.processes  # every rank was stopped
+
+
+def test_structured_output_is_enforced_by_the_last_stage_as_by_one_process(tiny_llama_dir):
+    from hookllm.sampling_params import StructuredOutputsParams
+    from test_structured_output import TINY, sampled
+
+    params = sampled(4, 48, StructuredOutputsParams(json=json.dumps(TINY)))
+    options = dict(plugins=["structured"], num_kv_blocks=64, async_scheduling=True)
+    one = cpu_llm(tiny_llama_dir, **options).generate(["Hello"] * 4, params)
+    llm = cpu_llm(tiny_llama_dir, pipeline_parallel_size=2, **options)
+    try:
+        two = llm.generate(["Hello"] * 4, params)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+    for out in two:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), TINY)

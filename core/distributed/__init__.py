@@ -5,8 +5,8 @@ always with one rank) this process is rank 0 of 1 and the parallel layers never 
 ``torch.distributed``. The ranks form ``pipeline_parallel_size`` stages of
 ``tensor_parallel_size`` ranks each: global rank ``r`` is tensor-parallel rank ``r % tp`` of stage
 ``r // tp``. Tensor-parallel collectives run in the stage's group; a stage hands its hidden
-states to the next by point-to-point sends between the ranks of equal tensor-parallel rank, and
-the last stage shares the sampled tokens with the others by a broadcast in that pipeline group.
+states to the next by point-to-point sends between the ranks of equal tensor-parallel rank (the
+pipeline group).
 
 Logits are **all-gathered**: every rank of the last stage receives the full ``[rows, vocab]``
 logits, so the runner and the sampler work the same on each and need no "only rank 0 has
@@ -174,12 +174,6 @@ def receive_from_previous_stage(shape: tuple[int, ...], dtype: torch.dtype, devi
     """What the previous stage's rank of equal tensor-parallel rank sent (:func:`send_to_next_stage`)."""
     x = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(x, dist.get_global_rank(_pp_group, _pp_rank - 1), group=_pp_group)
-    return x
-
-
-def broadcast_from_last_stage(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the last stage has it, on every stage (in place on the others; returns ``x``)."""
-    dist.broadcast(x, dist.get_global_rank(_pp_group, _pp_size - 1), group=_pp_group)
     return x
 
 

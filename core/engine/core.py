@@ -78,7 +78,8 @@ class EngineCore:
         # Every change to scheduling state (requests, blocks) goes through the scheduler's methods.
         self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    eos_token_ids(model_config, tokenizer), config.preemption_mode,
-                                   self.executor.num_host_blocks)
+                                   self.executor.num_host_blocks,
+                                   pipeline_depth=config.pipeline_parallel_size)
         # KV-cache events for prefix-aware routers: the block manager records them, each step publishes.
         events_config = config.kv_events_config
         self.kv_event_publisher: KVEventPublisher | None = None
@@ -90,7 +91,8 @@ class EngineCore:
         async_scheduling = config.async_scheduling
         if async_scheduling is None:
             async_scheduling = resolve_device(config.device).type == "cuda"
-        self.max_in_flight = 1 if async_scheduling else 0
+        # Pipeline stages: one batch per stage in flight, so no stage waits for the others.
+        self.max_in_flight = (1 if async_scheduling else 0) + config.pipeline_parallel_size - 1
         # What exists now (model, tokenizer, plugins) lives as long as the engine: move it out of
         # the garbage collector's sight, or each full collection walks it all, mid-step. Frozen
         # objects are never collected, so they go back to the collector when this engine core is

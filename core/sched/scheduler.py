@@ -49,8 +49,14 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_ids: set[int] | frozenset[int] = frozenset(), preemption_mode: str = "recompute",
-                 num_host_blocks: int = 0):
+                 num_host_blocks: int = 0, pipeline_depth: int = 1):
         self.block_manager = block_manager
+        # Pipeline stages keep ``pipeline_depth`` batches in flight, each of other requests
+        # (vLLM's batch queue): a request is scheduled again only once the token its last step
+        # sampled is back, and a batch takes its share of the requests, so the next stage's
+        # batch has requests of its own.
+        self.pipeline_depth = pipeline_depth
+        self.await_sampled_tokens = pipeline_depth > 1
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = set(eos_token_ids)
@@ -138,13 +144,14 @@ class Scheduler:
         # (device, host) and (host, device) block pairs the worker copies before the step runs.
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
+        limit = self._batch_size_limit()
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < limit:
             request = self.running[i]
             num_tokens = request.num_tokens
-            if num_tokens >= request.max_num_tokens:
-                i += 1  # its last token is being sampled by the step in flight: nothing left to run
+            if num_tokens >= request.max_num_tokens or self._awaits_token(request):
+                i += 1  # its (last) token is being sampled by a step in flight: nothing to run yet
                 continue
             num_new = min(num_tokens - request.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(request, num_new):
@@ -162,8 +169,11 @@ class Scheduler:
         # Admitting or resuming work right after a preemption would only thrash the cache. It also
         # means a swapped request resumes at least one step after it was swapped out, so (async
         # scheduling) the token its last step sampled has been read back by then.
-        while not preempted and self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (not preempted and self.swapped and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(scheduled) < limit):
             request = self.swapped[0]
+            if self._awaits_token(request):
+                break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.block_manager.allocate_slots(request, num_new):
                 break
@@ -176,8 +186,10 @@ class Scheduler:
             budget -= num_new
 
         while (not preempted and not self.swapped and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
+               and len(self.running) < self.max_num_seqs and len(scheduled) < limit):
             request = self.waiting[0]
+            if self._awaits_token(request):
+                break  # preempted while a step in flight samples its token: it resumes once that is back
             # A request holding no blocks starts from its longest cached prefix (a fork holds its parent's),
             # unless it asks for prompt logprobs: those are computed only for the tokens it computes.
             looks_up = (self.block_manager.enable_prefix_caching and not self.block_manager.holds_blocks(request)
@@ -196,6 +208,17 @@ class Scheduler:
             self._start_running(self.waiting, num_new, scheduled, counts)
             budget -= num_new
         return self._commit_step(scheduled, counts, preempted, swap_out, swap_in)
+
+    def _batch_size_limit(self) -> int:
+        """Most requests one batch takes: all it may, or under pipeline stages its share of the
+        unfinished ones."""
+        if self.pipeline_depth == 1:
+            return self.max_num_seqs
+        unfinished = len(self.running) + len(self.waiting) + len(self.swapped)
+        return max(1, -(-unfinished // self.pipeline_depth))
+
+    def _awaits_token(self, request: Request) -> bool:
+        return self.await_sampled_tokens and request.num_output_placeholders > 0
 
     def _start_running(self, queue: deque[Request], num_new: int, scheduled: list[Request],
                        counts: list[int]) -> None:

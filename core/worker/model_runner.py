@@ -351,7 +351,7 @@ class ModelRunner:
         batch = self.make_batch(scheduler_output, previous)
         hidden_states, inputs = self.forward(batch, scheduler_output)
         if self.stage is not None and not self.stage.is_last:
-            return self._await_sampled(batch, previous)
+            return None  # the last stage samples
         prompt_logprobs = self._prompt_logprobs(batch, hidden_states, inputs) if self.prompt_logprob_ids else None
         if not batch.sampling_requests:
             if not prompt_logprobs:
@@ -377,16 +377,6 @@ class ModelRunner:
         _run_jobs(jobs)
         return StepOutput(request_ids, self._sample(logits, batch, adjusted, jobs), prompt_logprobs)
 
-    def _await_sampled(self, batch: Batch, previous: StepOutput | None) -> StepOutput | None:
-        """A stage before the last: the step's tokens come from the last stage when it finishes
-        (the worker finishes every step at once, so all stages meet in the broadcast). A step
-        that samples nothing carries the in-flight tokens, as the last stage does."""
-        if not batch.sampling_requests:
-            return StepOutput(previous.request_ids, SampledTokens(previous.sampled)) if previous is not None else None
-        num_rows = len(batch.sampling_requests)
-        return StepOutput([r.request_id for r in batch.sampling_requests], device=self.device,
-                          deferred=lambda: SampledTokens(self.stage.receive_sampled(num_rows)))
-
     def _job_thread(self) -> ThreadPoolExecutor:
         """The one background thread that runs logits jobs, made for the first deferred step."""
         if self.job_thread is None:
@@ -411,8 +401,6 @@ class ModelRunner:
         self.hooks.hook.process_logits(logits=logits, batch=batch, context=self.hooks.context)
         sampled = self.hooks.hook.sample(logits=logits, batch=batch, context=self.hooks.context)
         self._check_sampled(sampled, logits.shape[0])
-        if self.stage is not None:
-            self.stage.share_sampled(sampled)
         self.logits_adjuster.record_sampled(adjusted, sampled)
         return self._sampled_tokens(logits, batch, sampled)
 
