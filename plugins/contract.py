@@ -55,7 +55,10 @@ class ModelProtocol(Protocol):
     stage's layers (the first also the embedding, the last the final norm and the head), its
     ``load_weights`` skipping the rest; ``forward`` takes ``intermediate_tensors`` (what the
     previous stage returned, None on the first) and returns, on every stage but the last, a
-    ``[2, num_tokens, hidden]`` tensor (hidden states and residual) for the next."""
+    ``[pipeline_intermediate_count, num_tokens, hidden]`` tensor for the next."""
+    pipeline_intermediate_count: ClassVar[int] = 2
+    """How many ``[num_tokens, hidden]`` tensors a pipeline stage hands the next: by default the
+    hidden states and the residual."""
 
     @classmethod
     def __subclasshook__(cls, other: type) -> bool:
@@ -68,12 +71,12 @@ class ModelProtocol(Protocol):
 
 _METHODS = ("forward", "embed_tokens", "compute_logits", "load_weights")
 Capability = Literal["supports_tensor_parallel", "supports_expert_parallel", "supports_quantization",
-                     "supports_torch_compile", "supports_pipeline_parallel"]
+                     "supports_torch_compile", "supports_pipeline_parallel", "pipeline_intermediate_count"]
 
 
-def capability(model: Any, flag: Capability) -> bool:
-    """A :class:`ModelProtocol` capability flag of ``model`` (a class or an instance): its own
-    value, else the protocol's default."""
+def capability(model: Any, flag: Capability) -> Any:
+    """A :class:`ModelProtocol` class attribute of ``model`` (a class or an instance), a
+    capability flag or a setting: its own value, else the protocol's default."""
     return getattr(model, flag, getattr(ModelProtocol, flag))
 
 

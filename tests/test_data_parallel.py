@@ -172,3 +172,30 @@ def test_an_abort_reaches_the_engine_holding_the_request_and_frees_it(engines):
     assert (after[engine].num_running_reqs, after[engine].num_waiting_reqs, after[engine].num_used_blocks) == (0, 0, 0)
     assert holding[other].num_running_reqs == 0
     assert after[other].prefix_cache_queries == before[other].prefix_cache_queries  # it never saw the request
+
+
+def test_hookllm_serve_with_two_engines_answers_over_http_as_one_engine_and_counts_per_engine(tiny_llama_dir, offline):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from server_fixtures import Server
+
+    server = Server([str(tiny_llama_dir), "--device", "cpu", "--dtype", "float32", "--served-model-name", "tiny",
+                     "--num-kv-blocks", str(NUM_KV_BLOCKS), "--data-parallel-size", "2"])
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=60, max_retries=0)
+
+        def complete(prompt: list[int]) -> str:
+            return client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(complete, PROMPTS))
+        expected = [o.outputs[0].text for o in offline.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+        assert answers == expected
+        # Each engine looked up the prompt tokens of the requests it took; together, all of them.
+        queried = [server.metric("vllm:prefix_cache_queries_total", f'engine="{i}"') for i in (0, 1)]
+        assert all(queried) and sum(queried) == sum(map(len, PROMPTS))
+    finally:
+        assert server.stop() == 0

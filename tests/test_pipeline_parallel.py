@@ -11,10 +11,11 @@ import time
 
 import jsonschema
 import pytest
-from transformers import Qwen3MoeConfig
+import torch
+from transformers import Gemma2Config, OPTConfig, Qwen3MoeConfig
 
 from hookllm import LLM, EngineConfig, SamplingParams, testing
-from hookllm.distributed import stage_layer_counts, stage_layer_range
+from hookllm.distributed import check_pipeline_parallel, stage_layer_counts, stage_layer_range
 from hookllm.worker.multiproc_executor import WorkerError
 from test_tensor_parallel import assert_same_outputs, cpu_llm, run
 from test_transformers_tensor_parallel import assert_same_prompt_logprobs
@@ -23,6 +24,9 @@ from test_transformers_tensor_parallel import assert_same_prompt_logprobs
 PREFIX = testing.random_prompts(1, 320, min_len=24, max_len=24, seed=3)[0]
 PROMPTS = [PREFIX + tail for tail in testing.random_prompts(5, 320, min_len=4, max_len=20, seed=4)]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+TRANSFORMERS_SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0,
+                          eos_token_id=1, pad_token_id=0)
 # A few KV blocks and a small token budget: prefills are chunked and requests preempted.
 TIGHT = dict(num_kv_blocks=8, max_num_batched_tokens=16)
 
@@ -43,7 +47,14 @@ def checkpoints(tmp_path_factory):
     return {"llama": testing.build_tiny_checkpoint(testing.tiny_llama_config(num_hidden_layers=4), root / "llama"),
             "llama-tied": testing.build_tiny_checkpoint(
                 testing.tiny_llama_config(num_hidden_layers=3, tie_word_embeddings=True), root / "llama-tied"),
-            "qwen3-moe": testing.build_tiny_checkpoint(moe, root / "qwen3-moe")}
+            "qwen3-moe": testing.build_tiny_checkpoint(moe, root / "qwen3-moe"),
+            # The transformers backend: Gemma 2 scales its embeddings, ties its head, soft-caps its
+            # logits and alternates windowed layers; OPT adds learned positions to its embeddings.
+            "gemma2": testing.build_tiny_checkpoint(Gemma2Config(
+                **TRANSFORMERS_SHAPE, head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
+                layer_types=["sliding_attention", "full_attention"] * 2), root / "gemma2"),
+            "opt": testing.build_tiny_checkpoint(OPTConfig(
+                **TRANSFORMERS_SHAPE, ffn_dim=96, word_embed_proj_dim=64, tie_word_embeddings=False), root / "opt")}
 
 
 def test_layers_split_evenly_the_first_stages_taking_the_remainder():
@@ -65,8 +76,12 @@ def test_more_stages_than_layers_is_refused_before_loading(checkpoints):
 
 
 def test_a_model_class_without_the_flag_is_refused(checkpoints):
-    with pytest.raises(ValueError, match="does not support pipeline parallelism"):
-        cpu_llm(checkpoints["llama"], pipeline_parallel_size=2, model_impl="transformers")
+    class NoStages(torch.nn.Module):
+        pass
+
+    config = testing.tiny_llama_config(num_hidden_layers=4)
+    with pytest.raises(ValueError, match="NoStages does not support pipeline parallelism"):
+        check_pipeline_parallel(NoStages, config, pp_size=2, world_size=2)
 
 
 def test_the_in_process_backend_with_several_stages_is_refused():
@@ -87,6 +102,24 @@ def test_two_stages_answer_as_one_under_chunked_prefill_preemption_and_prefix_ca
     assert_same_prompt_logprobs(one, two)
     assert any(b.preempted_request_ids for b in batches), "the tight cache was meant to force preemption"
     assert any(b.num_computed_tokens[0] > 0 and b.num_scheduled_tokens[0] > 1 for b in batches), "no chunked prefill"
+
+
+# Per stage: (layers built, holds the embedding, holds the LM head); a tied head keeps the embedding.
+TRANSFORMERS_STAGES = {"gemma2": [(2, True, False), (2, True, True)], "opt": [(2, True, False), (2, False, True)]}
+
+
+@pytest.mark.parametrize("case", TRANSFORMERS_STAGES)
+def test_transformers_backend_stages_answer_as_one_under_chunked_prefill_preemption_and_prefix_caching(
+        checkpoints, case):
+    options = dict(TIGHT, async_scheduling=True, model_impl="transformers")
+    one = run(cpu_llm(checkpoints[case], **options), PROMPTS, GREEDY)
+    llm = cpu_llm(checkpoints[case], pipeline_parallel_size=2, **options)
+    assert llm.apply_model(transformers_stage_parts) == TRANSFORMERS_STAGES[case]
+    batches = testing.record_batches(llm.engine)
+    two = run(llm, PROMPTS, GREEDY)
+    assert_same_outputs(one, two)
+    assert_same_prompt_logprobs(one, two)
+    assert any(b.preempted_request_ids for b in batches), "the tight cache was meant to force preemption"
 
 
 def test_each_stage_has_a_batch_of_other_requests_in_flight(checkpoints):
@@ -128,21 +161,32 @@ def test_beam_search_across_two_stages_finds_one_processs_beams(checkpoints):
     assert [[s.tokens for s in o.sequences] for o in one] == [[s.tokens for s in o.sequences] for o in two]
 
 
-def test_two_ranks_in_each_of_two_stages_answer_as_one(checkpoints):
-    one = run(cpu_llm(checkpoints["llama"], num_kv_blocks=64), PROMPTS, GREEDY)
-    llm = cpu_llm(checkpoints["llama"], num_kv_blocks=64, tensor_parallel_size=2, pipeline_parallel_size=2)
+@pytest.mark.parametrize("model_impl", ["auto", "transformers"])
+def test_two_ranks_in_each_of_two_stages_answer_as_one(checkpoints, model_impl):
+    one = run(cpu_llm(checkpoints["llama"], num_kv_blocks=64, model_impl=model_impl), PROMPTS, GREEDY)
+    llm = cpu_llm(checkpoints["llama"], num_kv_blocks=64, tensor_parallel_size=2, pipeline_parallel_size=2,
+                  model_impl=model_impl)
     assert len(llm.engine.engine_core.executor.processes) == 4
-    assert llm.apply_model(lambda_free_layer_count) == [2, 2, 2, 2]
+    assert llm.apply_model(stage_layer_count) == [2, 2, 2, 2]
     two = run(llm, PROMPTS, GREEDY)
     assert_same_outputs(one, two)
     assert_same_prompt_logprobs(one, two)
 
 
-def lambda_free_layer_count(model) -> int:
-    """For ``apply_model``: the decoder layers this rank built (the others are stand-ins)."""
+def stage_layer_count(model) -> int:
+    """For ``apply_model``: the decoder layers this rank built (the others are stand-ins), as
+    counted by their paged attention layers."""
+    from hookllm.layers.attention import Attention
+
+    return sum(isinstance(module, Attention) for module in model.modules())
+
+
+def transformers_stage_parts(model) -> tuple[int, bool, bool]:
+    """For ``apply_model``: what this rank of a transformers-backend model built."""
     from hookllm.layers import StageMissing
 
-    return sum(not isinstance(layer, StageMissing) for layer in model.model.layers)
+    parts = (model.hf_model.get_input_embeddings(), model.hf_model.get_output_embeddings())
+    return (len(model.attention), *(not isinstance(part, StageMissing) for part in parts))
 
 
 def test_a_killed_stage_ends_the_engine_with_an_error_naming_its_rank(checkpoints):

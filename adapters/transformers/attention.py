@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -109,16 +109,18 @@ class Route:
 
 
 class PagedRoute(Route):
-    """A real forward: each module's call goes to ``layers[module.layer_idx]``."""
+    """A real forward: each module's call goes to ``layers[module.layer_idx - first_layer]``
+    (``first_layer``: the first of a pipeline stage's layers)."""
 
-    def __init__(self, layers: nn.ModuleList):
+    def __init__(self, layers: nn.ModuleList, first_layer: int = 0):
         self.layers = layers
+        self.first_layer = first_layer
 
     def check(self, module, query, key, value, attention_mask, scaling, kwargs):
-        self.layers[module.layer_idx].check(query, key, value, attention_mask, scaling, kwargs)
+        self.layers[module.layer_idx - self.first_layer].check(query, key, value, attention_mask, scaling, kwargs)
 
     def attend(self, layer_index, q, k, v, sinks):
-        return self.layers[layer_index](q, k, v, sinks=sinks)
+        return self.layers[layer_index - self.first_layer](q, k, v, sinks=sinks)
 
 
 # Per thread (a context variable): engines stepping in different threads keep their own routes.
@@ -198,18 +200,21 @@ class _Recorder(Route):
 
 
 @torch.inference_mode()
-def probe(model: nn.Module, decoder: nn.Module) -> list[LayerSpec]:
-    """Run ``decoder`` on two tokens (current default device; weights may be uninitialized)
-    and return, in ``layer_idx`` order, what each attention module passed to the attention
-    function; :class:`Unsupported` if the calls do not make a causal decoder hookllm can page."""
+def probe(model: nn.Module, forward: Callable[[torch.Tensor, torch.Tensor], object],
+          first_layer: int = 0) -> list[LayerSpec]:
+    """Run ``forward(input_ids, positions)``, the decoder's (or a pipeline stage's), on two tokens
+    (current default device; weights may be uninitialized) and return, in ``layer_idx`` order,
+    what each attention module passed to the attention function; :class:`Unsupported` if the
+    calls do not make a causal decoder hookllm can page, one layer each from ``first_layer``."""
     recorder = _Recorder(model)
     with routed_to(recorder):
-        decoder(input_ids=torch.zeros(1, 2, dtype=torch.long), position_ids=torch.arange(2)[None], use_cache=False)
+        forward(torch.zeros(2, dtype=torch.long), torch.arange(2))
     calls = recorder.calls
     name = type(model).__name__
     if not calls:
         raise Unsupported(f"{name} has no attention layer that calls transformers' attention interface")
     indices = [getattr(module, "layer_idx", None) for module in calls]
-    if sorted(i for i in indices if isinstance(i, int)) != list(range(len(calls))):
-        raise Unsupported(f"{name}: its attention modules' layer_idx are {indices}, not one per layer from 0")
+    if sorted(i for i in indices if isinstance(i, int)) != list(range(first_layer, first_layer + len(calls))):
+        raise Unsupported(f"{name}: its attention modules' layer_idx are {indices}, not one per layer from "
+                          f"{first_layer}")
     return [spec for _, spec in sorted(zip(indices, calls.values()), key=lambda pair: pair[0])]

@@ -5,7 +5,8 @@ The transformers class named by the checkpoint is built from its config with
 module carries the KV cache, and everything else (embeddings, RoPE variants, norms, MLPs, MoE
 blocks, the LM head and its logit scaling) is transformers' own code. The flat batch goes in as
 one sequence of ``T`` tokens (``input_ids[None]``, ``position_ids=positions[None]``); the paged
-attention keeps the sequences apart.
+attention keeps the sequences apart. Under pipeline parallelism each stage builds, loads and runs
+only its layers (:mod:`.pipeline`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import torch
 from torch import nn
 
 from hookllm.adapters.transformers import attention, parallel, support
+from hookllm.adapters.transformers.pipeline import StageCut
 from hookllm.adapters.transformers.kernels import head_alone, use_hookllm_modules
 from hookllm.adapters.transformers.weights import build_empty, load_checkpoint_tensors, materialize
-from hookllm.distributed import get_tp_size
+from hookllm.distributed import get_pp_size, get_tp_size
 
 
 class TransformersForCausalLM(nn.Module):
@@ -29,6 +31,8 @@ class TransformersForCausalLM(nn.Module):
 
     supports_torch_compile = True
     supports_tensor_parallel = True  # split as the config's transformers plan says (.parallel)
+    supports_pipeline_parallel = True  # cut into stages at the decoder's layer list (.pipeline)
+    pipeline_intermediate_count = 1  # transformers' layers keep the residual inside
 
     def __init__(self, config: Any):
         super().__init__()
@@ -48,16 +52,18 @@ class TransformersForCausalLM(nn.Module):
         if not path:
             raise support.Unsupported(f"{model_cls.__name__}: no decoder module to run without its LM head")
         self._decoder_parent, _, self._decoder_name = path.rpartition(".")
+        self.stage = StageCut(self.hf_model, decoder, config.num_hidden_layers) if get_pp_size() > 1 else None
         # Each rank keeps its slice of the split weights, so storage and loading are per slice.
         parallel.shard(self.hf_model)
         materialize(self.hf_model, dtype)
         # One paged layer per attention module, in layer_idx order, as transformers' code calls it.
-        specs = attention.probe(self.hf_model, self.decoder)
+        self._decoder_hidden_states = self._run_decoder  # compiled by use_torch_compile
+        first_layer = self.stage.start if self.stage is not None else 0
+        specs = attention.probe(self.hf_model, self._probe_forward, first_layer)
         self.attention = nn.ModuleList(attention.PagedLayer(spec) for spec in specs)
         self._head_input = _DecoderStandIn()
         self._plain_head: nn.Module | None = None  # set by load_weights
-        self._route = attention.PagedRoute(self.attention)
-        self._decoder_hidden_states = self._run_decoder
+        self._route = attention.PagedRoute(self.attention, first_layer)
 
     @property
     def decoder(self) -> nn.Module:
@@ -67,10 +73,23 @@ class TransformersForCausalLM(nn.Module):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.hf_model.get_input_embeddings()(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None,
+                intermediate_tensors: torch.Tensor | None = None) -> torch.Tensor:
         with attention.routed_to(self._route), _graph_capture_hint(type(self.hf_model).__name__):
+            return self._forward_layers(input_ids, positions, inputs_embeds, intermediate_tensors)
+
+    def _forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None,
+                        intermediate: torch.Tensor | None) -> torch.Tensor:
+        if self.stage is None:
             return self._decoder_hidden_states(input_ids, positions, inputs_embeds)
+        return self.stage.run(self._decoder_hidden_states, input_ids, positions, inputs_embeds, intermediate)
+
+    def _probe_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """A forward of this stage's layers on ``input_ids`` (zeros from the previous stage)."""
+        intermediate = None
+        if self.stage is not None and not self.stage.is_first:
+            intermediate = torch.zeros(1, input_ids.shape[0], self.hf_model.config.hidden_size)
+        self._forward_layers(input_ids, positions, None, intermediate)
 
     def _run_decoder(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      inputs_embeds: torch.Tensor | None) -> torch.Tensor:

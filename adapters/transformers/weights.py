@@ -29,6 +29,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
 from hookllm.adapters.transformers.attention import IMPLEMENTATION
+from hookllm.layers import on_other_stage
 from hookllm.layers.linear import LoadedWeight, loaded_shape
 from hookllm.layers.linear import materialize as read_whole
 
@@ -118,8 +119,10 @@ def load_checkpoint_tensors(model: nn.Module, weights: Iterable[tuple[str, Loade
         if name not in targets and ckpt_name in targets:
             name, pattern = ckpt_name, None
         if name not in targets:
-            # Buffers transformers computes, and names the model says to ignore, are skipped.
-            skipped = ckpt_name in buffers or COMPUTED_BUFFERS.search(ckpt_name) or ignore and ignore.search(ckpt_name)
+            # Buffers transformers computes, names the model says to ignore and other pipeline
+            # stages' parts are skipped.
+            skipped = (ckpt_name in buffers or COMPUTED_BUFFERS.search(ckpt_name) or ignore and ignore.search(ckpt_name)
+                       or on_other_stage(model, name))
             if not skipped:
                 unexpected.append(ckpt_name)
         elif pattern is not None:

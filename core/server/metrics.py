@@ -23,7 +23,7 @@ from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from hookllm.sched.scheduler import SchedulerStats
@@ -74,8 +74,8 @@ class ServerMetrics:
     def __init__(self, engine: AsyncLLM, model_name: str):
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
-        self.engine_gauges = EngineGauges(engine, model_name)
-        self.registry.register(self.engine_gauges)
+        self.engine_metrics = EngineMetrics(engine, model_name)
+        self.registry.register(self.engine_metrics)
 
         def declare(kind: type, names: tuple[str, ...], doc: str, **options: Any) -> Named:
             return Named.declare(kind, names, doc, list(labels), self.registry, **options).labels(**labels)
@@ -104,13 +104,14 @@ class ServerMetrics:
         # Every API server process's counters and histograms, summed; the engine's gauges once.
         registry = CollectorRegistry()
         MultiProcessCollector(registry)
-        registry.register(self.engine_gauges)
+        registry.register(self.engine_metrics)
         return generate_latest(registry)
 
 
-class EngineGauges:
-    """The engine's state as gauges, read at scrape time from the stats of its last report: one
-    sample per engine (``hookllm serve --data-parallel-size``), labelled ``engine`` "0", "1", ..."""
+class EngineMetrics:
+    """The engine's state, read at scrape time from the stats of its last report: one sample per
+    engine (``hookllm serve --data-parallel-size``), labelled ``engine`` "0", "1", ... Gauges, and
+    the prefix cache's counters (tokens since the engine started), which prefix-aware routers read."""
 
     GAUGES: tuple[tuple[tuple[str, ...], str, Callable[[SchedulerStats], float]], ...] = (
         (both("num_requests_running"), "Requests in the running batch.", lambda s: s.num_running_reqs),
@@ -119,20 +120,25 @@ class EngineGauges:
         (own("num_used_kv_blocks"), "KV-cache blocks in use.", lambda s: s.num_used_blocks),
         (own("num_kv_blocks"), "KV-cache blocks in all.", lambda s: s.num_blocks),
     )
+    COUNTERS: tuple[tuple[tuple[str, ...], str, Callable[[SchedulerStats], float]], ...] = (
+        (both("prefix_cache_queries"), "Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache_queries),
+        (both("prefix_cache_hits"), "Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits),
+    )
 
     def __init__(self, engine: AsyncLLM, model_name: str):
         self.engine = engine
         self.model_name = model_name
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         engines = self.engine.engine_stats()
-        for names, doc, read in self.GAUGES:
-            values = [read(stats) for stats in engines]
-            for name in names:
-                family = GaugeMetricFamily(name, doc, labels=["model_name", "engine"])
-                for index, value in enumerate(values):
-                    family.add_metric([self.model_name, str(index)], value)
-                yield family
+        for family_type, metrics in ((GaugeMetricFamily, self.GAUGES), (CounterMetricFamily, self.COUNTERS)):
+            for names, doc, read in metrics:
+                values = [read(stats) for stats in engines]
+                for name in names:
+                    family = family_type(name, doc, labels=["model_name", "engine"])
+                    for index, value in enumerate(values):
+                        family.add_metric([self.model_name, str(index)], value)
+                    yield family
 
 
 _arrival: ContextVar[float] = ContextVar("hookllm_request_arrival")

@@ -138,7 +138,8 @@ class Worker:
         phase("host_swap_cache")
         self.runner = ModelRunner(model, hooks, self.device, config.block_size, self.attention_backend, config.seed)
         if config.pipeline_parallel_size > 1:
-            self.runner.stage = PipelineStage(text_config_of(model_config.hf_config).hidden_size, self.dtype, self.device)
+            self.runner.stage = PipelineStage(capability(model, "pipeline_intermediate_count"),
+                                              text_config_of(model_config.hf_config).hidden_size, self.dtype, self.device)
         if self.uses_cuda_graphs:
             self.runner.cuda_graphs = CudaGraphRunner(
                 model, text_config_of(model_config.hf_config).hidden_size, self.dtype, self.device,
