@@ -8,6 +8,10 @@ process spent (Linux ``/proc``; an API process near one CPU second per second is
 event loop is the limit, and ``--api-server-count N`` runs N of them). Then the same requests through offline ``LLM.generate`` in this
 process, for the served / offline ratio.
 
+``--grpc`` starts the server with ``--grpc-port`` too and runs each load a second time over gRPC
+(vLLM's engine service: the same token-id prompts and sampling, ``stream=true``), so HTTP, gRPC
+and offline are measured in one run (rows ``*_grpc``).
+
 ``--tools-fraction F`` runs each load a second time with an evenly spread fraction ``F`` of the
 requests sent as chat requests that carry ``TOOLS`` and ``tool_choice: "required"`` (their output
 constrained by the ``structured`` plugin, which the server is started with): the served
@@ -18,6 +22,7 @@ the prompt's length), with the same ``max_tokens`` and ``ignore_eos``. That need
 
     python benchmarks/serve.py --shape llama-3.2-1b --rates 20,40
     python benchmarks/serve.py --shape llama-3.2-1b --rates 20 --tools-fraction 0.25
+    python benchmarks/serve.py --shape llama-3.2-1b --rates 20 --grpc
     # CPU smoke test on a small checkpoint (with a tokenizer, for --tools-fraction):
     python benchmarks/serve.py --model DIR --num-requests 8 --max-len 32 --rates 4 --tools-fraction 0.25 \\
         --engine-args "--device cpu --dtype float32 --num-kv-blocks 64"
@@ -37,6 +42,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -47,6 +53,7 @@ from throughput import workload_a  # noqa: E402
 
 HOST = "127.0.0.1"
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+GRPC = "grpc"  # a job's "path" for a gRPC Generate call (its body: a completions body)
 STRUCTURED_TOKENIZER_VOCAB = 32000  # structured.py's default --tokenizer-vocab: its checkpoint folder is reused
 # Two functions a travel assistant might offer, with the JSON-schema parameters clients send. Every
 # value is bounded, so even random weights complete a call (then, with ignore_eos, only EOS follows).
@@ -79,10 +86,10 @@ def free_port() -> int:
 
 
 def start_server(model: Path, port: int, engine_args: list[str], startup_s: float,
-                 api_servers: int) -> subprocess.Popen:
+                 api_servers: int, grpc_port: int | None = None) -> subprocess.Popen:
     command = [sys.executable, "-m", "hookllm.entrypoints.cli", "serve", str(model), "--host", HOST, "--port", str(port),
                "--served-model-name", "bench", "--log-level", "warning", "--api-server-count", str(api_servers),
-               *engine_args]
+               *(["--grpc-port", str(grpc_port)] if grpc_port else []), *engine_args]
     process = subprocess.Popen(command)
     deadline = time.monotonic() + startup_s
     while time.monotonic() < deadline:
@@ -185,29 +192,62 @@ async def one_request(http: "aiohttp.ClientSession", url: str, path: str, body: 
     return {"sent": sent, "first": first, "last": last, "tokens": tokens, "tool_calls": tool_calls}
 
 
-async def send_all(url: str, jobs: list[tuple[float, str, dict]], start_at: float) -> list[dict]:
-    """Send each (offset, path, body) at ``start_at + offset`` (wall clock)."""
+async def one_grpc_request(stub: Any, body: dict) -> dict:
+    """One streamed gRPC Generate call of a completions ``body``, timed as :func:`one_request`."""
+    from hookllm.grpc_client import generate_request
+
+    request = generate_request(body["prompt"], stream=True, max_tokens=body["max_tokens"],
+                               temperature=body["temperature"], ignore_eos=body["ignore_eos"])
+    sent = time.time()
+    first = last = None
+    tokens = 0
+    async for response in stub.Generate(request):
+        if response.chunk.token_ids:
+            last = time.time()
+            first = first or last
+        if response.HasField("complete"):
+            tokens = response.complete.completion_tokens
+    return {"sent": sent, "first": first, "last": last, "tokens": tokens, "tool_calls": False}
+
+
+async def send_all(url: str, jobs: list[tuple[float, str, dict]], start_at: float,
+                   grpc_target: str | None = None) -> list[dict]:
+    """Send each (offset, path, body) at ``start_at + offset`` (wall clock): over HTTP, or over
+    one gRPC channel to ``grpc_target`` for the ``GRPC`` jobs."""
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
-        tasks = []
-        for offset, path, body in jobs:
-            await asyncio.sleep(max(0.0, start_at + offset - time.time()))
-            tasks.append(asyncio.create_task(one_request(http, url, path, body)))
-        return await asyncio.gather(*tasks)
+    channel = stub = None
+    if grpc_target is not None:
+        import grpc
+
+        from hookllm.grpc import vllm_engine_pb2_grpc
+
+        channel = grpc.aio.insecure_channel(grpc_target)
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    try:
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
+            tasks = []
+            for offset, path, body in jobs:
+                await asyncio.sleep(max(0.0, start_at + offset - time.time()))
+                call = one_grpc_request(stub, body) if path == GRPC else one_request(http, url, path, body)
+                tasks.append(asyncio.create_task(call))
+            return await asyncio.gather(*tasks)
+    finally:
+        if channel is not None:
+            await channel.close()
 
 
 def client_process(url: str, jobs: list, ready: "multiprocessing.Queue", start_at: "multiprocessing.Queue",
-                   results: "multiprocessing.Queue") -> None:
+                   results: "multiprocessing.Queue", grpc_target: str | None) -> None:
     import aiohttp  # noqa: F401 - imported before saying ready, not on the clock
 
     ready.put(None)
-    results.put(asyncio.run(send_all(url, jobs, start_at.get())))
+    results.put(asyncio.run(send_all(url, jobs, start_at.get(), grpc_target)))
 
 
 def run_load(url: str, requests: list[tuple[str, dict]], rate: float | None, num_clients: int,
-             server_pid: int) -> dict:
+             server_pid: int, grpc_target: str | None = None) -> dict:
     """All ``requests`` (path, body) at once (``rate`` None) or with Poisson arrivals at ``rate`` req/s, sent by
     ``num_clients`` processes (one Python client cannot parse tens of thousands of events a second)."""
     gaps = np.random.default_rng(0).exponential(1.0 / rate, len(requests)) if rate else np.zeros(len(requests))
@@ -215,7 +255,8 @@ def run_load(url: str, requests: list[tuple[str, dict]], rate: float | None, num
     jobs = [(float(t), path, body) for t, (path, body) in zip(offsets, requests)]
     context = multiprocessing.get_context("spawn")
     ready, start, queue = context.Queue(), context.Queue(), context.Queue()
-    clients = [context.Process(target=client_process, args=(url, jobs[i::num_clients], ready, start, queue))
+    clients = [context.Process(target=client_process, args=(url, jobs[i::num_clients], ready, start, queue,
+                                                                    grpc_target))
                for i in range(num_clients)]
     for client in clients:
         client.start()
@@ -291,6 +332,8 @@ def main() -> None:
     parser.add_argument("--tools-fraction", type=float, default=0.0,
                         help="also run each load with this fraction of the requests as chat requests with tools "
                              "and tool_choice 'required' (0: none)")
+    parser.add_argument("--grpc", action="store_true",
+                        help="also run each load over gRPC (the server's --grpc-port): rows *_grpc")
     add_out_argument(parser)
     args = parser.parse_args()
     if not 0.0 <= args.tools_fraction <= 1.0:
@@ -314,7 +357,7 @@ def main() -> None:
     name = f"serve-{args.model.name if args.model else args.shape}" + ("-tools" if args.tools_fraction else "")
     results: dict[str, dict] = {}
     payload = {"device": device_name(), "date": now(), "commit": commit(), "model": str(model),
-               "workload": f"A over HTTP: {args.num_requests} streamed requests, token-id prompts, ignore_eos"
+               "workload": f"A over HTTP{' and gRPC' if args.grpc else ''}: {args.num_requests} streamed requests, token-id prompts, ignore_eos"
                            + (f", cut to {args.max_len} tokens" if args.max_len else "")
                            + (f"; rows *_tools: {args.tools_fraction:g} of them chat requests with tools and "
                               "tool_choice 'required'" if args.tools_fraction else ""),
@@ -323,18 +366,24 @@ def main() -> None:
     loads = {"": build_requests(prompts, max_tokens)}
     if args.tools_fraction:
         loads["_tools"] = build_requests(prompts, max_tokens, args.tools_fraction, tokenizer)
+    if args.grpc:
+        loads["_grpc"] = [(GRPC, body) for _, body in loads[""]]
 
     port = free_port()
-    server = start_server(model, port, server_args, args.startup_s, args.api_server_count)
+    grpc_port = free_port() if args.grpc else None
+    grpc_target = f"{HOST}:{grpc_port}" if args.grpc else None
+    server = start_server(model, port, server_args, args.startup_s, args.api_server_count, grpc_port)
     try:
         url = f"http://{HOST}:{port}"
         # Warm-up: with tools, one tool request too (its grammar's first compile is not on the clock).
         warm_up = build_requests(prompts[:2], [4, 4], 0.5 if args.tools_fraction else 0.0, tokenizer)
-        run_load(url, warm_up, None, 1, server.pid)
+        if args.grpc:
+            warm_up += [(GRPC, body) for _, body in warm_up]
+        run_load(url, warm_up, None, 1, server.pid, grpc_target)
         for rate in [None, *rates]:
             for suffix, requests in loads.items():
                 key = ("full_concurrency" if rate is None else f"rate_{rate:g}") + suffix
-                results[key] = run_load(url, requests, rate, args.client_processes, server.pid)
+                results[key] = run_load(url, requests, rate, args.client_processes, server.pid, grpc_target)
     finally:
         server.terminate()
         server.wait(60)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 from importlib import metadata
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -16,6 +16,9 @@ from hookllm.server import serving_basic, serving_chat, serving_completion, serv
 from hookllm.server.errors import ERROR_DESCRIPTIONS, add_error_handlers, error_response
 from hookllm.server.metrics import ArrivalTimeMiddleware, ServerMetrics
 from hookllm.server.state import ServerSettings, ServerState
+
+if TYPE_CHECKING:
+    from hookllm.server.grpc_server import GrpcFrontEnd
 
 OPEN_PATHS = {"/health", "/version", "/metrics"}  # answered without the API key
 
@@ -39,16 +42,23 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
-    """The app serving ``engine``; plugins' ``add_routes`` hooks add their routes last."""
+def build_app(engine: AsyncLLM, settings: ServerSettings,
+              grpc_front: Callable[[ServerState], GrpcFrontEnd] | None = None) -> FastAPI:
+    """The app serving ``engine``; plugins' ``add_routes`` hooks add their routes last. With
+    ``grpc_front``, the gRPC server it makes of the app's state runs as long as the app does."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if front is not None:
+            await front.start()
         yield
+        if front is not None:
+            await front.stop()  # begun as the server began to stop (hookllm serve), else now
         engine.shutdown()  # uvicorn has drained (or timed out) the connections: stop the engine
 
     app = FastAPI(title="hookllm", version=metadata.version("hookllm"), lifespan=lifespan)
     app.state.server = ServerState(engine, settings, ServerMetrics(engine, settings.served_model_names[0]))
+    front = app.state.grpc = grpc_front(app.state.server) if grpc_front is not None else None
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(ArrivalTimeMiddleware)  # added last: the outermost layer, first to see a request

@@ -8,6 +8,7 @@ tokens as they arrive; they use only the standard library.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -61,6 +62,15 @@ def add_parsers(subparsers: argparse._SubParsersAction, plugin_parser: argparse.
     serve.add_argument("--headless", action="store_true",
                        help="with --nnodes: run this node's ranks only (no API server, no engine); every node "
                             "but node 0 runs so")
+    serve.add_argument("--grpc-port", type=int, default=None, metavar="PORT",
+                       help="also serve vLLM's gRPC engine service (vllm.grpc.engine.VllmEngine), gRPC health and "
+                            "reflection on this port, from the same engine (the grpc extra: pip install "
+                            "'hookllm[grpc]')")
+    serve.add_argument("--no-http", action="store_true", help="with --grpc-port: serve gRPC only (no HTTP port)")
+    serve.add_argument("--grpc-max-concurrent-rpcs", type=int, default=1024, metavar="N",
+                       help="gRPC calls in flight per API server; more get RESOURCE_EXHAUSTED")
+    serve.add_argument("--grpc-max-message-bytes", type=int, default=4 * 1024 * 1024, metavar="BYTES",
+                       help="largest gRPC message either way; a larger one gets RESOURCE_EXHAUSTED")
     serve.add_argument("--api-server-count", type=int, default=1, metavar="N",
                        help="API server processes sharing the port and the engine process(es): more than one when "
                             "a single process's event loop cannot keep up with the streams")
@@ -87,6 +97,12 @@ def add_parsers(subparsers: argparse._SubParsersAction, plugin_parser: argparse.
         client.add_argument("--temperature", type=float, default=0.0)
         if name == "chat":
             client.add_argument("--system", default=None, help="a system message")
+            client.add_argument("--grpc", metavar="HOST:PORT", default=None,
+                                help="chat over the gRPC engine service (hookllm serve --grpc-port, or vLLM's) "
+                                     "instead of HTTP: the chat is rendered and decoded here, with the tokenizer")
+            client.add_argument("--tokenizer", default=None,
+                                help="with --grpc: the tokenizer's folder or hub id (default: the model the server "
+                                     "reports)")
 
 
 def _parser_name(kind: ComponentKind) -> Any:
@@ -130,7 +146,9 @@ def run_serve(args: argparse.Namespace) -> int:
     # The key travels in an HTTP header: an empty one would leave the server open.
     if args.api_key is not None and not re.fullmatch(r"[!-~]+", args.api_key):
         raise ValueError("--api-key must be printable ASCII without spaces (an empty key would leave the server open)")
-    sock = _listening_socket(args.host, args.port)  # a busy port is found now, not after the model has loaded
+    _check_grpc_args(args)
+    # A busy port is found now, not after the model has loaded.
+    sock = None if args.no_http else _listening_socket(args.host, args.port)
     try:
         config = with_local_paths(EngineArgs.from_cli_args(args).create_engine_config())
         config.plugins = with_json_schema_plugin(config.plugins, installed_plugins())
@@ -138,8 +156,30 @@ def run_serve(args: argparse.Namespace) -> int:
             return _run_api_servers(args, config, sock)
         return _serve(args, AsyncLLM.from_engine_config(config), sock)
     finally:  # also when _serve ends with the SystemExit of a SIGTERM
-        sock.close()
+        if sock is not None:
+            sock.close()
         _stop_resource_tracker()
+
+
+def _check_grpc_args(args: argparse.Namespace) -> None:
+    """``ValueError`` for gRPC flags that cannot work: --no-http alone, no grpc extra, a busy port."""
+    if args.grpc_port is None:
+        if args.no_http:
+            raise ValueError("--no-http serves gRPC only: it needs --grpc-port PORT")
+        return
+    try:
+        import grpc  # noqa: F401
+        import grpc_health  # noqa: F401
+        import grpc_reflection  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"--grpc-port needs the grpc extra ({exc.name} is missing): "
+                         "pip install 'hookllm[grpc]'") from None
+    if not args.no_http and args.grpc_port == args.port:
+        raise ValueError(f"--grpc-port {args.grpc_port} is the HTTP --port too: give each its own")
+    for name in ("grpc_max_concurrent_rpcs", "grpc_max_message_bytes"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    _listening_socket(args.host, args.grpc_port).close()  # each API server binds it itself, later
 
 
 def _run_headless(args: argparse.Namespace) -> int:
@@ -166,11 +206,11 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket) -> int:
+def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket | None) -> int:
     """Serve ``engine`` (an ``AsyncLLM``) on ``sock`` (bound to ``--host`` and ``--port``, maybe
-    shared with other API server processes) until SIGTERM or SIGINT (status 0), or until the
-    engine dies (status 1: its requests have failed with an error; a server that cannot serve
-    exits, so a supervisor restarts it)."""
+    shared with other API server processes; None with ``--no-http``), and on ``--grpc-port``,
+    until SIGTERM or SIGINT (status 0), or until the engine dies (status 1: its requests have
+    failed with an error; a server that cannot serve exits, so a supervisor restarts it)."""
     import threading
 
     import uvicorn
@@ -191,12 +231,32 @@ def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket) -> int:
     # then (a clean stop, not a crash) instead of the default handlers' kill or traceback.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _exit_after_shutdown)
+    grpc_front = None
+    if args.grpc_port is not None:
+        from hookllm.server.grpc_server import GrpcFrontEnd, GrpcSettings
+
+        grpc_settings = GrpcSettings(args.host, args.grpc_port, args.grpc_max_concurrent_rpcs,
+                                     args.grpc_max_message_bytes, args.shutdown_timeout)
+
+        def grpc_front(state: Any) -> Any:
+            return GrpcFrontEnd(state, grpc_settings)
+
     try:
-        app = build_app(engine, settings)
+        if args.no_http:
+            return _serve_grpc_only(engine, settings, grpc_front)
+        app = build_app(engine, settings, grpc_front)
+        front = app.state.grpc
+
+        class Server(uvicorn.Server):
+            async def shutdown(self, sockets: Any = None) -> None:
+                if front is not None:
+                    front.stop()  # gRPC drains alongside HTTP; the app's lifespan waits for it
+                await super().shutdown(sockets)
+
         # uvicorn handles SIGINT/SIGTERM: stop accepting, let requests finish for up to
         # --shutdown-timeout, then the app's lifespan shuts the engine down (aborting the rest).
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                               timeout_graceful_shutdown=args.shutdown_timeout))
+        server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                       timeout_graceful_shutdown=args.shutdown_timeout))
         host, port = sock.getsockname()[:2]
         # uvicorn says where it listens only for a socket it bound itself.
         logger.info("serving on http://%s:%d", f"[{host}]" if ":" in host else host, port)
@@ -214,6 +274,41 @@ def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket) -> int:
         return 1 if engine_died.is_set() else 0
     finally:
         engine.shutdown()
+
+
+def _serve_grpc_only(engine: Any, settings: Any, grpc_front: Any) -> int:
+    """``hookllm serve --grpc-port PORT --no-http``: the gRPC server alone, until SIGTERM or SIGINT
+    (status 0, after in-flight calls had --shutdown-timeout to finish) or the engine's death (1)."""
+    import asyncio
+    import threading
+
+    from hookllm.server.metrics import ServerMetrics
+    from hookllm.server.state import ServerState
+
+    front = grpc_front(ServerState(engine, settings, ServerMetrics(engine, settings.served_model_names[0])))
+    engine_died = threading.Event()
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+
+        def stop_when_the_engine_dies() -> None:
+            while not stop.is_set():
+                if engine.wait_stopped(1.0) and not stop.is_set():
+                    logger.error("the engine stopped: shutting the server down")
+                    engine_died.set()
+                    loop.call_soon_threadsafe(stop.set)
+                    return
+
+        await front.start()
+        threading.Thread(target=stop_when_the_engine_dies, name="hookllm-engine-watch", daemon=True).start()
+        await stop.wait()
+        await front.stop()
+
+    asyncio.run(serve())
+    return 1 if engine_died.is_set() else 0
 
 
 def _run_api_servers(args: argparse.Namespace, config: Any, sock: socket.socket) -> int:
@@ -356,11 +451,50 @@ def _chat_turn(args: argparse.Namespace, messages: list[dict[str, str]]) -> str:
     return "".join(pieces)
 
 
+class _GrpcChat:
+    """Chat turns over the gRPC engine service, which takes and gives tokens: the chat template
+    renders the prompt here and the tokenizer decodes the streamed tokens."""
+
+    def __init__(self, args: argparse.Namespace):
+        import grpc
+        from transformers import AutoTokenizer
+
+        from hookllm.grpc_client import GrpcClient
+
+        self.rpc_error = grpc.RpcError
+        self.client = GrpcClient(args.grpc)
+        with self._errors(args.grpc):
+            model = args.tokenizer or self.client.model_info().model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+
+    @contextlib.contextmanager
+    def _errors(self, target: str) -> Iterator[None]:
+        try:
+            yield
+        except self.rpc_error as exc:
+            raise ValueError(f"gRPC server {target} answered {exc.code().name}: {exc.details()}") from None
+
+    def __call__(self, args: argparse.Namespace, messages: list[dict[str, str]]) -> str:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template wrote them
+        token_ids: list[int] = []
+        printed = ""
+        with self._errors(args.grpc):
+            for response in self.client.stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature):
+                token_ids += response.chunk.token_ids  # a complete message has no chunk: adds nothing
+                reply = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+                print(reply[len(printed):], end="", flush=True)
+                printed = reply
+        print()
+        return printed
+
+
 def run_chat(args: argparse.Namespace) -> int:
+    turn = _GrpcChat(args) if args.grpc else _chat_turn
     messages = [{"role": "system", "content": args.system}] if args.system else []
     if args.text is not None:
         messages.append({"role": "user", "content": args.text})
-        _chat_turn(args, messages)
+        turn(args, messages)
         return 0
     while True:  # interactive: one turn per line, until end of input
         try:
@@ -368,7 +502,7 @@ def run_chat(args: argparse.Namespace) -> int:
         except EOFError:
             return 0
         messages.append({"role": "user", "content": line})
-        messages.append({"role": "assistant", "content": _chat_turn(args, messages)})
+        messages.append({"role": "assistant", "content": turn(args, messages)})
 
 
 COMMANDS = {"serve": run_serve, "complete": run_complete, "chat": run_chat}

@@ -93,7 +93,13 @@ class ServerMetrics:
         self._finished = Named.declare(Counter, both("request_success"), "Finished requests by finish reason "
                                        "(stop, length, abort, error).", ["model_name", "finished_reason"],
                                        self.registry)
+        self._grpc_requests = Counter("hookllm:grpc_requests", "gRPC calls by method and status code.",
+                                      ["model_name", "method", "code"], registry=self.registry)
         self._model_name = model_name
+
+    def grpc_request(self, method: str, code: str) -> None:
+        """A gRPC call ended with status ``code`` (OK, INVALID_ARGUMENT, CANCELLED, ...)."""
+        self._grpc_requests.labels(model_name=self._model_name, method=method, code=code).inc()
 
     def request_finished(self, reason: str) -> None:
         self._finished.labels(model_name=self._model_name, finished_reason=reason).inc()
