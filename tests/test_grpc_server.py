@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import filecmp
+import re
 import signal
 import subprocess
 import sys
@@ -80,10 +80,15 @@ def wait_until(condition, what: str, timeout_s: float = DEADLINE_S) -> None:
         time.sleep(0.05)
 
 
+# What each grpcio-tools release writes of its own version (the rest must match exactly).
+GENERATOR_VERSION = re.compile(r"_runtime_version\.ValidateProtobufRuntimeVersion\([^)]*\)|"
+                               r"# Protobuf Python Version: \S+|GRPC_GENERATED_VERSION = '[^']*'")
+
+
 def test_the_committed_modules_are_what_the_proto_generates(tmp_path):
     for path in grpc_generate.generate(tmp_path):
-        assert filecmp.cmp(path, grpc_generate.HERE / path.name, shallow=False), \
-            f"{path.name} is stale: run python -m hookllm.grpc.generate"
+        generated, committed = (GENERATOR_VERSION.sub("", p.read_text()) for p in (path, grpc_generate.HERE / path.name))
+        assert generated == committed, f"{path.name} is stale: run python -m hookllm.grpc.generate"
 
 
 def test_greedy_tokens_equal_llm_generate_without_streaming(client, offline):
@@ -319,7 +324,18 @@ def test_calls_past_the_concurrency_limit_are_resource_exhausted(grpc_only):
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     for call in calls:
         call.cancel()
-    wait_until(lambda: client.server_info().active_requests == 0, "the cancelled requests to leave")
+    wait_until(lambda: no_requests_left(client), "the cancelled requests to leave")
+
+
+def no_requests_left(client: GrpcClient) -> bool:
+    """Whether the engine runs no request; False while the server still counts the cancelled calls
+    against its limit (it refuses this one then)."""
+    try:
+        return client.server_info().active_requests == 0
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        return False
 
 
 def test_chat_over_grpc_renders_and_decodes_with_the_tokenizer(grpc_only, tiny_llama_dir, offline, tmp_path):
