@@ -5,7 +5,7 @@ on the same cache (warm: what a restarted server sees). ``LLM()`` is also split 
 phase (the worker's ``startup_seconds``: loading, memory profile and KV cache, swap cache,
 CUDA graphs, warm-up).
 
-The goal (docs/performance.md, "Start-up warm-up"): the first call within 5% of the second,
+The goal (docs/performance-history.md, "Start-up warm-up"): the first call within 5% of the second,
 ``LLM()`` within 10 s cold and 4 s warm on the 1B shape. ``--without-warmup-too`` also runs
 both with ``warmup=False``, the engine before the warm-up existed. The last column counts the
 Triton kernel variants compiled during the calls (0 when the warm-up met every one).

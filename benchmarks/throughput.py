@@ -49,11 +49,11 @@ from common import (BF16_FLOP_PER_S, FP8_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, ad
 # Throughput workloads: name -> (label, lowest length, highest length, requests); prompts and
 # outputs draw their lengths from the same range.
 WORKLOADS = {"a": ("A", 100, 1024, 256), "short": ("short", 32, 320, 2048)}
-# Sampling filters, penalties and n a run may add to workload A's temperature 0.6 (--top-p ...), as
+# Sampling filters, penalties, n and logprobs a run may add to workload A's temperature 0.6 (--top-p ...), as
 # chat clients send them; the transformers peers apply those `generate` has (no presence or
 # frequency penalty).
 SAMPLING_OPTIONS = {"top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
-                    "presence_penalty": float, "frequency_penalty": float, "n": int}
+                    "presence_penalty": float, "frequency_penalty": float, "n": int, "logprobs": int}
 PEER_SAMPLING_OPTIONS = ("top_p", "top_k", "min_p", "repetition_penalty")
 LATENCY_PROMPT_TOKENS = 3000
 LATENCY_OUTPUT_TOKENS = 256

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import msgspec
 
 
 @dataclass
@@ -16,6 +20,66 @@ class Logprob:
 
 # One position's entries: the chosen (or prompt) token plus the top-k, keyed by token id.
 LogprobsEntry = dict[int, Logprob]
+# One position's logprobs as the worker reports them: token ids (the chosen or prompt token first,
+# then the top ones, best first), their logprobs and their ranks. Lists, not objects: a step's rows
+# are made from a few arrays, and cross process boundaries as they are.
+LogprobsRow = tuple[list[int], list[float], list[int]]
+
+
+def logprobs_entry(row: LogprobsRow, texts: list[str] | None = None) -> LogprobsEntry:
+    """A row as vLLM's entry: the top tokens with their ranks, then the chosen one with its own
+    (one key if it is among the top); ``texts``: each row token's ``decoded_token``."""
+    ids, values, ranks = row
+    texts = texts or [None] * len(ids)
+    entry = {token: Logprob(value, rank, text) for token, value, rank, text in zip(ids[1:], values[1:], ranks[1:], texts[1:])}
+    entry[ids[0]] = Logprob(values[0], ranks[0], texts[0])
+    return entry
+
+
+class FlatLogprobs(msgspec.Struct, array_like=True, eq=False, gc=False):
+    """A completion's logprobs as the rows they came in (vLLM's ``FlatLogprobs``), read as a
+    list of entries: an entry's ``Logprob`` objects are built when it is read, not by the engine
+    for every token of every step. Each read builds new objects; compares equal to a list of the
+    same entries."""
+
+    rows: list[LogprobsRow] = []
+    texts: list[list[str] | None] = []  # per row, its tokens' texts (None: not detokenized)
+
+    def append(self, row: LogprobsRow, texts: list[str] | None = None) -> None:
+        self.rows.append(row)
+        self.texts.append(texts)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return FlatLogprobs(self.rows[index], self.texts[index])
+        return logprobs_entry(self.rows[index], self.texts[index])
+
+    def __iter__(self) -> Iterator[LogprobsEntry]:
+        return map(logprobs_entry, self.rows, self.texts)
+
+    def __add__(self, other: Sequence[LogprobsEntry]) -> Any:
+        if isinstance(other, FlatLogprobs):
+            return FlatLogprobs(self.rows + other.rows, self.texts + other.texts)
+        return list(self) + list(other)
+
+    def __radd__(self, other: Sequence[LogprobsEntry]) -> list:
+        return list(other) + list(self)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (FlatLogprobs, list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"FlatLogprobs({list(self)!r})"
+
+
+Sequence.register(FlatLogprobs)
 
 
 @dataclass
@@ -35,7 +99,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (when logprobs is set)
-    logprobs: list[LogprobsEntry] | None = None
+    logprobs: Sequence[LogprobsEntry] | None = None  # a FlatLogprobs from the engine
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 

@@ -1,4 +1,4 @@
-"""Loading the checkpoint's tokenizer and detokenizing outputs incrementally."""
+"""Loading the checkpoint's tokenizer, detokenizing outputs incrementally, and token texts."""
 
 from __future__ import annotations
 
@@ -59,3 +59,22 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+class TokenTexts:
+    """Each token id's text decoded alone (a logprobs entry's ``decoded_token``), remembered per
+    id: the tokenizer decodes a token once, and a step's entries cost dictionary lookups (a
+    ``batch_decode`` per entry took longer than the decode step it reported on)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_ids: list[int]) -> list[str]:
+        texts = self._texts
+        try:
+            return [texts[t] for t in token_ids]
+        except KeyError:
+            missing = [t for t in dict.fromkeys(token_ids) if t not in texts]
+            texts.update(zip(missing, self.tokenizer.batch_decode([[t] for t in missing])))
+            return [texts[t] for t in token_ids]

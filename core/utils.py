@@ -1,10 +1,13 @@
 """Small helpers: vLLM's ``vllm.utils`` names, the engine's host-to-device copy, the GIL's
-switch interval for threads that work beside the engine loop."""
+switch interval for threads that work beside the engine loop, how engine processes start."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
+import multiprocessing.context
+import os
 import sys
 import time
 from typing import Any, Sequence
@@ -23,10 +26,33 @@ def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+# How the engine starts its processes (the engine process, ranks, data-parallel engines), as
+# vLLM's VLLM_WORKER_MULTIPROC_METHOD: "forkserver" (the default where the platform has it) forks
+# each from one server process that imported these modules once, so a process starts in a fraction
+# of a second instead of importing torch again for several seconds; "spawn" starts a fresh
+# interpreter. Never "fork": a parent that has used CUDA or torch's thread pool cannot be forked.
+# The server process imports modules only (CUDA is not initialized there), and it inherits the
+# environment of the moment it starts: what a child must see, it is given as an argument.
+WORKER_MULTIPROC_METHOD_ENV = "HOOKLLM_WORKER_MULTIPROC_METHOD"
+PRELOADED_MODULES = ("torch", "transformers", "hookllm.engine.llm_engine")
+
+
+def process_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context engine processes start from (see ``WORKER_MULTIPROC_METHOD_ENV``)."""
+    default = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    method = os.environ.get(WORKER_MULTIPROC_METHOD_ENV) or default
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"{WORKER_MULTIPROC_METHOD_ENV} must be 'forkserver' or 'spawn', got {method!r}")
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(list(PRELOADED_MODULES))  # read when the server first starts
+    return context
+
+
 # With the default 5 ms switch interval a thread that needs the GIL for a moment (to hand over a
 # step's outputs) waits whole milliseconds behind a busy thread that holds it. Not for the engine
 # loop's own process: there the logits-job thread and the loop traded the GIL so often that
-# steps got slower (docs/performance.md, "2026-11-30, evening").
+# steps got slower (docs/performance-history.md, "2026-11-30, evening").
 GIL_SWITCH_INTERVAL_S = 0.0002
 
 

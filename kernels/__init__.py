@@ -4,12 +4,12 @@
 ``paged_attention``: ``"torch"`` is :mod:`hookllm.kernels.reference`, ``"triton"`` the Triton
 kernels, and ``"auto"`` picks Triton on CUDA and torch elsewhere. ``ops_for(tensor)`` returns
 the module with ``rms_norm``, ``apply_rotary``, ``silu_and_mul``, ``filter_thresholds``,
-``sample_with_hashed_noise``, ``apply_token_bitmask``, ``apply_penalties`` and the FP8 ``quantize_fp8`` / ``scaled_matmul`` for that tensor's device: the Triton kernels on CUDA, their torch
+``sample_with_hashed_noise``, ``token_logprobs``, ``apply_token_bitmask``, ``apply_penalties`` and the FP8 ``quantize_fp8`` / ``scaled_matmul`` for that tensor's device: the Triton kernels on CUDA, their torch
 references elsewhere. :mod:`hookllm.kernels.triton_moe` holds the mixture-of-experts kernels
 (``fused_moe``; its ``route`` and ``moe_align`` are the reference's, torch on every device), twins
 of the reference's functions of those names.
 :mod:`hookllm.kernels.triton_all_reduce` holds the one-shot all-reduce (twin of the reference's
-``one_shot_all_reduce``). ``compiled_triton_variants()`` counts the Triton kernel variants compiled so far.
+``one_shot_all_reduce``). ``compiled_triton_variants()`` counts the Triton kernel variants compiled so far, ``triton_variant_keys()`` names them.
 """
 
 from __future__ import annotations
@@ -63,6 +63,13 @@ def compiled_triton_variants() -> int:
     """How many variants of hookllm's Triton kernels this process has compiled (or loaded from
     Triton's cache), on every device. A diagnostic: after the start-up warm-up, serving should
     add none. 0 under the Triton interpreter, which compiles nothing."""
+    return len(triton_variant_keys())
+
+
+def triton_variant_keys() -> set[tuple[str, str]]:
+    """Each compiled variant as (kernel name, Triton's specialization key): what a launch met
+    that the variants before it did not (dtypes, pointer alignments, integer values of 1 or
+    multiples of 16, constexprs)."""
     from triton.runtime.jit import JITFunction
 
     from hookllm.kernels import triton_all_reduce, triton_attention, triton_fp8, triton_moe, triton_ops
@@ -71,4 +78,4 @@ def compiled_triton_variants() -> int:
                for fn in vars(module).values()
                if isinstance(fn, JITFunction)]
     # device_caches: per device, (kernel cache by specialization key, ...).
-    return sum(len(caches[0]) for fn in kernels for caches in fn.device_caches.values())
+    return {(fn.__name__, str(key)) for fn in kernels for caches in fn.device_caches.values() for key in caches[0]}

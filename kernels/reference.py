@@ -254,6 +254,22 @@ def filter_thresholds(
     return torch.where(temperature > 0, threshold, none)
 
 
+def token_logprobs(
+    logits: torch.Tensor,  # [rows, vocab], any float dtype
+    token_ids: torch.Tensor,  # [rows] long: the token of each row whose logprob is asked
+    num_top: int,  # how many of each row's most likely tokens to report (0: none)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's ``log_softmax`` at ``token_ids`` (float32), that token's rank (1 + how many
+    logits are larger, long: counted on the logits, which subtracting the row's log-sum-exp in
+    float32 could tie), and the row's ``num_top`` largest logprobs with their ids, largest first
+    (``[rows, num_top]``; ties in any order)."""
+    x = logits.float()
+    logprobs = x.log_softmax(dim=-1)
+    ranks = (x > x.gather(1, token_ids[:, None])).sum(dim=-1) + 1
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    return logprobs.gather(1, token_ids[:, None]).squeeze(1), ranks, top_values, top_ids
+
+
 def apply_penalties(
     logits: torch.Tensor,  # [rows, vocab] float32, modified in place
     rows: torch.Tensor,  # [n] long: the logits rows to adjust

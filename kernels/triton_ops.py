@@ -1,7 +1,7 @@
 """Triton kernels for the small per-layer ops and the sampler's last pass.
 
 ``rms_norm`` (with the residual add fused), ``apply_rotary``, ``silu_and_mul``,
-``filter_thresholds``, ``sample_with_hashed_noise``, ``apply_penalties`` and
+``filter_thresholds``, ``sample_with_hashed_noise``, ``token_logprobs``, ``apply_penalties`` and
 ``apply_token_bitmask`` have the signatures and semantics of their twins in
 :mod:`hookllm.kernels.reference`, including where results are rounded to the model dtype. In
 torch each is five to twenty elementwise kernels over the batch; here each is one, which in a
@@ -16,6 +16,10 @@ tensor and its five passes (scale, softmax, divide, argmax) over the float32 sco
 keep without sorting the row: two passes (lane maxima and mass, then the candidates above the
 k-th largest lane maximum), a sort of the candidates in registers, and an exact search over the
 floats' order-preserving integer keys for the rows whose candidates do not suffice.
+
+``token_logprobs``: one program per row reads it once for the chosen token's logprob and rank
+(an online log-sum-exp and a count of the larger logits), where the torch version writes the
+row's whole ``log_softmax`` and reads it three more times.
 
 ``apply_penalties`` and ``apply_token_bitmask``: one program per (row, column block) reads the
 row's tables or mask bits and writes the adjusted logits in place, instead of the torch
@@ -366,6 +370,51 @@ def filter_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
             CAPACITY=FILTER_CAPACITY, TOP_P_RANK=FILTER_TOP_P_RANK, PIVOTS=FILTER_PIVOTS,
             SEARCH_LANES=FILTER_SEARCH_LANES, num_warps=FILTER_WARPS)
     return out
+
+
+TOKEN_LOGPROBS_LANES = 2048
+
+
+@triton.jit
+def _token_logprobs_kernel(logits_ptr, token_ids_ptr, logprob_ptr, rank_ptr, log_total_ptr, vocab, logits_stride,
+                           LANES: tl.constexpr):
+    # One pass over the row: each lane's running maximum and softmax mass (an online softmax),
+    # and how many of its logits exceed the chosen token's.
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row * logits_stride
+    chosen = tl.load(row_ptr + tl.load(token_ids_ptr + row)).to(tl.float32)
+    lanes = tl.arange(0, LANES)
+    lane_max = tl.full([LANES], float("-inf"), tl.float32)
+    lane_mass = tl.zeros([LANES], tl.float32)
+    lane_above = tl.zeros([LANES], tl.int32)
+    for start in range(0, vocab, LANES):
+        cols = start + lanes
+        x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(lane_max, x)
+        base = tl.where(new_max > float("-inf"), new_max, 0.0)  # all -inf so far: no mass
+        lane_mass = lane_mass * tl.exp(lane_max - base) + tl.exp(x - base)
+        lane_max = new_max
+        lane_above += (x > chosen).to(tl.int32)
+    top = tl.max(lane_max, axis=0)
+    log_total = top + tl.log(tl.sum(lane_mass * tl.exp(lane_max - top), axis=0))
+    tl.store(logprob_ptr + row, chosen - log_total)
+    tl.store(rank_ptr + row, tl.sum(lane_above, axis=0).to(tl.int64) + 1)
+    tl.store(log_total_ptr + row, log_total)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The chosen tokens' logprobs and ranks in one pass (no log_softmax of the row is written);
+    # the top ones from torch's top-k of the raw logits, less the row's log-sum-exp.
+    rows, vocab = logits.shape
+    logprob = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    rank = torch.empty(rows, dtype=torch.long, device=logits.device)
+    log_total = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        _token_logprobs_kernel[(rows,)](logits, token_ids, logprob, rank, log_total, vocab, logits.stride(0),
+                                        LANES=TOKEN_LOGPROBS_LANES, num_warps=8)
+    top_values, top_ids = logits.topk(num_top, dim=-1)
+    return logprob, rank, top_values.float() - log_total[:, None], top_ids
 
 
 @triton.jit

@@ -353,6 +353,24 @@ def test_filter_thresholds_kernel_keeps_what_the_reference_keeps(case, small_fil
     assert torch.equal(logits >= triton_ops.filter_thresholds(*args)[:, None], want)
 
 
+@pytest.mark.parametrize("num_top", [0, 3])
+def test_token_logprobs_kernel_matches_log_softmax(num_top, monkeypatch):
+    from hookllm.kernels import triton_ops
+
+    monkeypatch.setattr(triton_ops, "TOKEN_LOGPROBS_LANES", 64)  # several tiles per row, interpreted quickly
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 300, generator=gen) * 3
+    logits[3, 50:] = float("-inf")  # a row a structured-output mask has narrowed
+    token_ids = torch.tensor([7, 299, 0, 12])
+    logprob, rank, top_values, top_ids = triton_ops.token_logprobs(logits, token_ids, num_top)
+    want = logits.log_softmax(dim=-1)
+    torch.testing.assert_close(logprob, want.gather(1, token_ids[:, None]).squeeze(1), rtol=0, atol=1e-5)
+    assert rank.tolist() == [int((row > row[t]).sum()) + 1 for row, t in zip(logits, token_ids.tolist())]
+    expected_values, expected_ids = want.topk(num_top, dim=-1)
+    torch.testing.assert_close(top_values, expected_values, rtol=0, atol=1e-5)
+    assert torch.equal(top_ids, expected_ids)
+
+
 def test_apply_penalties_kernel_matches_reference():
     from hookllm.kernels import triton_ops
 

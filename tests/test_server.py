@@ -20,12 +20,12 @@ NUM_KV_BLOCKS = 64
 PROMPTS = ["Hello there", "The quick brown fox", "1 2 3 4"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chat_model_dir(tiny_llama_dir, tmp_path_factory):
     return with_chat_template(tiny_llama_dir, tmp_path_factory.mktemp("chat-llama") / "model")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(chat_model_dir):
     server = Server([str(chat_model_dir), "--device", "cpu", "--dtype", "float32",
                      "--num-kv-blocks", str(NUM_KV_BLOCKS), "--served-model-name", "tiny"])
@@ -33,7 +33,7 @@ def server(chat_model_dir):
     assert server.stop() == 0  # SIGTERM: a clean exit
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def offline(chat_model_dir):
     return LLM(str(chat_model_dir), device="cpu", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS)
 

@@ -57,7 +57,7 @@ IMAGE = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAA
          "ErkJggg==")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
     model = with_chat_template(tiny_llama_dir, tmp_path_factory.mktemp("responses-llama") / "model", TEMPLATE)
     server = Server([str(model), "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "64",
@@ -66,7 +66,7 @@ def server(tiny_llama_dir, tmp_path_factory):
     assert server.stop() == 0
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 

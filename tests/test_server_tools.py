@@ -59,12 +59,12 @@ SCHEMAS = {tool["function"]["name"]: tool["function"].get("parameters", {"type":
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def model_dir(tiny_llama_dir, tmp_path_factory):
     return with_chat_template(tiny_llama_dir, tmp_path_factory.mktemp("tools-llama") / "model", TEMPLATE)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(model_dir):
     # No --plugin structured: hookllm serve activates it (llguidance is installed).
     server = Server([str(model_dir), "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", str(NUM_KV_BLOCKS),
@@ -73,7 +73,7 @@ def server(model_dir):
     assert server.stop() == 0
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def offline(model_dir):
     return LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS)
 

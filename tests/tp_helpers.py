@@ -17,6 +17,7 @@ from hookllm.distributed import cleanup_dist_env_and_memory, init_tensor_paralle
 from hookllm.worker.forward_context import AttentionMetadata, set_forward_context
 from hookllm.kernels import get_attention_backend
 from hookllm.layers import Attention
+from hookllm.utils import process_context
 from hookllm.worker.model_loader import building_on, load_checkpoint
 
 HIDDEN, INTERMEDIATE, HEADS = 64, 128, 4
@@ -39,9 +40,10 @@ TAIL = 2
 
 
 def run_ranks(fn: Callable[..., None], world_size: int, args: tuple, timeout_s: float = 240.0) -> None:
-    """Run ``fn(rank, *args)`` in ``world_size`` spawned processes; re-raise a rank's error and
-    fail (terminating the ranks) if they are not all done within ``timeout_s``."""
-    context = mp.start_processes(fn, args=args, nprocs=world_size, join=False, start_method="spawn")
+    """Run ``fn(rank, *args)`` in ``world_size`` processes, started as the engine starts its ranks;
+    re-raise a rank's error and fail (terminating the ranks) if they are not all done within ``timeout_s``."""
+    start_method = process_context().get_start_method()
+    context = mp.start_processes(fn, args=args, nprocs=world_size, join=False, start_method=start_method)
     deadline = time.monotonic() + timeout_s
     try:
         while not context.join(timeout=max(0.0, deadline - time.monotonic())):

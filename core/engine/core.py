@@ -17,7 +17,7 @@ import msgspec
 
 from hookllm.config import EngineConfig, ModelConfig, resolve_device, text_config_of
 from hookllm.engine.core_request import EngineCoreRequest
-from hookllm.outputs import LogprobsEntry
+from hookllm.outputs import LogprobsRow
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.sampling_params import SamplingParams
 from hookllm.sched.block_manager import BlockManager
@@ -33,8 +33,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
 
     request_id: str
     new_token_ids: list[int]  # empty for a prefill chunk that sampled nothing
-    new_logprobs: list[LogprobsEntry] | None  # one entry per new token, when logprobs were asked for
-    new_prompt_logprobs: list[LogprobsEntry] | None  # this step's prompt chunk, when asked for
+    new_logprobs: list[LogprobsRow] | None  # one row per new token, when logprobs were asked for
+    new_prompt_logprobs: list[LogprobsRow] | None  # this step's prompt chunk, when asked for
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     stop_reason: int | None  # the stop token id that ended it
     num_cached_tokens: int  # prompt tokens found in the prefix cache at first admission
@@ -188,9 +188,9 @@ class EngineCore:
         prompt_logprobs = result.prompt_logprobs()
         outputs = []
         for request, row in self.scheduler.update_from_output(batch, token_ids):
-            entry = logprobs[row]
+            logprobs_row = logprobs[row]
             outputs.append(EngineCoreOutput(
-                request.request_id, [token_ids[row]], None if entry is None else [entry],
+                request.request_id, [token_ids[row]], None if logprobs_row is None else [logprobs_row],
                 prompt_logprobs.pop(request.request_id, None) if prompt_logprobs else None,
                 request.status.value if request.is_finished else None, request.stop_reason,
                 request.num_cached_tokens or 0))

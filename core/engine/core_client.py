@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
 import logging
-import multiprocessing
 import multiprocessing.connection
 import os
 import queue
@@ -25,14 +23,14 @@ import signal
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from hookllm.config import EngineConfig
 from hookllm.engine.llm_engine import LLMEngine
 from hookllm.engine.loop import EngineLoop
 from hookllm.engine.messages import Command, EngineReport, Shutdown, decode_report, encode_report, rebuild_error
 from hookllm.logging_config import configure_logging, current_level
-from hookllm.utils import join_or_kill, name_this_process
+from hookllm.utils import join_or_kill, name_this_process, process_context
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +72,14 @@ class EngineProcess:
 
     def __init__(self, config: EngineConfig, num_clients: int = 1, cuda_visible_devices: str | None = None,
                  name: str = "hookllm-engine-core"):
-        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        context = process_context()
         pipes = [context.Pipe() for _ in range(num_clients)]
         self.client_conns = [ours for ours, _ in pipes]
         # Not a daemon: under tensor parallelism it starts the rank processes itself.
-        # It logs as this process does (hookllm serve's --log-level): spawned, it inherits no logging setup.
-        self.process = context.Process(target=_engine_process_main,
-                                       args=(config, [theirs for _, theirs in pipes], current_level()), name=name)
-        with _environment("CUDA_VISIBLE_DEVICES", cuda_visible_devices):  # what the spawned child inherits
-            self.process.start()
+        # It logs as this process does (hookllm serve's --log-level): started anew, it inherits no logging setup.
+        self.process = context.Process(target=_engine_process_main, name=name, args=(
+            config, [theirs for _, theirs in pipes], current_level(), cuda_visible_devices))
+        self.process.start()
         for _, theirs in pipes:
             theirs.close()
 
@@ -111,23 +108,6 @@ class EngineProcess:
         """Wait up to ``timeout_s`` for the process to end (it does once every client has shut down
         or gone), then kill it: it ignores SIGTERM. True if it ended on its own with status 0."""
         return join_or_kill(self.process, time.monotonic() + timeout_s)
-
-
-@contextlib.contextmanager
-def _environment(name: str, value: str | None) -> Iterator[None]:
-    """``os.environ[name]`` is ``value`` inside (unchanged if None), as it was after."""
-    if value is None:
-        yield
-        return
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = previous
 
 
 def data_parallel_devices(visible: list[str], data_parallel_size: int, gpus_per_engine: int) -> list[str]:
@@ -232,7 +212,10 @@ class EngineClient:
         self.conn.close()
 
 
-def _engine_process_main(config: EngineConfig, conns: list[Any], log_level: int) -> None:
+def _engine_process_main(config: EngineConfig, conns: list[Any], log_level: int,
+                         cuda_visible_devices: str | None) -> None:
+    if cuda_visible_devices is not None:  # before anything initializes CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
     # Ctrl-C and SIGTERM reach the whole process group: the API servers decide when the engine
     # stops (after draining), by shutdown commands or by closing their pipes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -15,7 +15,7 @@ from typing import Any, Union
 
 import msgspec
 
-from hookllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from hookllm.outputs import CompletionOutput, FlatLogprobs, Logprob, RequestMetrics, RequestOutput
 from hookllm.sampling_params import SamplingParams
 from hookllm.sched.scheduler import SchedulerStats
 
@@ -60,7 +60,7 @@ class CompletionDelta(msgspec.Struct, **STRUCT_OPTIONS):
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, Logprob]] | None
+    logprobs: FlatLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None
 

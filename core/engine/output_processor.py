@@ -22,10 +22,11 @@ from hookllm.engine.core import EngineCoreOutputs
 from hookllm.engine.core_request import EngineCoreRequest
 from hookllm.engine.input_processor import child_request_ids
 from hookllm.engine.stop_strings import StopStringAutomaton, StopStringMatcher
-from hookllm.outputs import CompletionOutput, LogprobsEntry, RequestMetrics, RequestOutput
+from hookllm.outputs import (CompletionOutput, FlatLogprobs, LogprobsEntry, LogprobsRow, RequestMetrics, RequestOutput,
+                             logprobs_entry)
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.sampling_params import RequestOutputKind
-from hookllm.tokenizer import IncrementalDetokenizer
+from hookllm.tokenizer import IncrementalDetokenizer, TokenTexts
 
 
 class ParentRequest:
@@ -87,7 +88,7 @@ class RequestState:
                             if tokenizer is not None and params.detokenize else None)
         self.token_ids: list[int] = []
         self.text = ""
-        self.logprobs: list[LogprobsEntry] | None = [] if params.logprobs is not None else None
+        self.logprobs: FlatLogprobs | None = FlatLogprobs() if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         # The first prompt token has no logprob: nothing predicts it.
         self.prompt_logprobs: list[LogprobsEntry | None] | None = [None] if params.prompt_logprobs is not None else None
@@ -111,6 +112,7 @@ class OutputProcessorOutput(NamedTuple):
 class OutputProcessor:
     def __init__(self, tokenizer: Any | None, hooks: ActiveHooks):
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer) if tokenizer is not None else None
         self.hooks = hooks
         self.states: dict[str, RequestState] = {}  # by engine request id
         self.parents: dict[str, ParentRequest] = {}  # n > 1, by the user's request id
@@ -190,15 +192,15 @@ class OutputProcessor:
                     self._complete(state)
         return OutputProcessorOutput(request_outputs, reqs_to_abort)
 
-    def _add_prompt_logprobs(self, state: RequestState, entries: list[LogprobsEntry]) -> None:
+    def _add_prompt_logprobs(self, state: RequestState, rows: list[LogprobsRow]) -> None:
         """A prefill chunk's prompt logprobs (a recomputed chunk after preemption adds nothing)."""
         if state.prompt_logprobs is None:
             return
         room = len(state.prompt_token_ids) - len(state.prompt_logprobs)
-        for entry in entries[:room]:
-            state.prompt_logprobs.append(self._decoded(entry, state))
+        for row in rows[:room]:
+            state.prompt_logprobs.append(logprobs_entry(row, self._texts(row, state)))
 
-    def _append_token(self, state: RequestState, token_id: int, logprobs: list[LogprobsEntry] | None,
+    def _append_token(self, state: RequestState, token_id: int, logprobs: list[LogprobsRow] | None,
                       now: float) -> bool:
         """Take a new token and its text; True if a stop string ends in its text (the request then
         finishes here, with that string as its stop reason).
@@ -216,8 +218,9 @@ class OutputProcessor:
             metrics.first_token_time = now
         metrics.last_token_time = now
         if logprobs is not None and state.logprobs is not None:
-            state.logprobs.append(self._decoded(logprobs[0], state))
-            state.cumulative_logprob += logprobs[0][token_id].logprob
+            row = logprobs[0]  # kept as it came: entries are built when read
+            state.logprobs.append(row, self._texts(row, state))
+            state.cumulative_logprob += row[1][0]
         if state.detokenizer is None or state.finish_reason == "stop":
             return False  # no text, or a stop token ended it: a stop token adds no text
         previous_len = len(state.text)
@@ -257,7 +260,7 @@ class OutputProcessor:
             state.sent_text, state.sent_tokens = ready, len(output_ids)
         else:  # the state's own lists go on growing: the output gets copies
             text, token_ids = text[:ready], list(output_ids)
-            logprobs = list(logprobs) if logprobs is not None else None
+            logprobs = logprobs[:] if logprobs is not None else None
         completion = CompletionOutput(0, text, token_ids, state.cumulative_logprob, logprobs,
                                       state.finish_reason, state.stop_reason)
         # The prompt's list is shared, not copied: a request's prompt ids never change, and
@@ -284,10 +287,6 @@ class OutputProcessor:
                                    metrics=state.metrics, num_cached_tokens=parent.num_cached_tokens)
         self.completed_hook(output=output, context=self.hooks.context)
 
-    def _decoded(self, entry: LogprobsEntry, state: RequestState) -> LogprobsEntry:
-        """Fill in each entry token's text (vLLM's ``decoded_token``) unless text is off."""
-        if self.tokenizer is not None and state.params.detokenize:
-            ids = list(entry)
-            for token_id, text in zip(ids, self.tokenizer.batch_decode([[t] for t in ids])):
-                entry[token_id].decoded_token = text
-        return entry
+    def _texts(self, row: LogprobsRow, state: RequestState) -> list[str] | None:
+        """Each row token's text (vLLM's ``decoded_token``), None when text is off."""
+        return self.token_texts(row[0]) if self.token_texts is not None and state.params.detokenize else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from hookllm.config import EngineConfig, ModelConfig
-from hookllm.outputs import LogprobsEntry
+from hookllm.outputs import LogprobsRow
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.sched.output import SchedulerOutput
 from hookllm.worker.kv_cache_groups import KVCacheGroups
@@ -24,13 +24,13 @@ from hookllm.worker.worker import Worker
 class StepResult(Protocol):
     """A launched step whose tokens may not be read yet."""
 
-    def resolve(self) -> tuple[list[int], list[LogprobsEntry | None]]:
-        """One token id per sampling row and its logprobs entry (None if not asked); waits for
+    def resolve(self) -> tuple[list[int], list[LogprobsRow | None]]:
+        """One token id per sampling row and its logprobs row (None if not asked); waits for
         the step if it still runs."""
         ...
 
-    def prompt_logprobs(self) -> dict[str, list[LogprobsEntry]]:
-        """By request: one entry per prompt token this step predicted."""
+    def prompt_logprobs(self) -> dict[str, list[LogprobsRow]]:
+        """By request: one row per prompt token this step predicted."""
         ...
 
 

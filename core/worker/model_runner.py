@@ -26,12 +26,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from hookllm.kernels import ops_for
 from hookllm.multimodal.encoder_cache import EncoderRunner
 from hookllm.plugins.contract import is_multimodal
 from hookllm.worker.batch import Batch, LogitsJob, CachedRequestState
 from hookllm.worker.cuda_graph import CudaGraphRunner
 from hookllm.worker.forward_context import AttentionMetadata, set_forward_context
-from hookllm.outputs import Logprob, LogprobsEntry
+from hookllm.outputs import LogprobsRow
 from hookllm.worker.penalties import AdjustedRows, LogitsAdjuster
 from hookllm.worker.pipeline_stage import PipelineStage
 from hookllm.plugins.manager import ActiveHooks
@@ -147,34 +148,35 @@ class StepOutput:
     def token_ids_by_request(self) -> dict[str, int]:
         return dict(zip(self.request_ids, self.token_ids()))
 
-    def resolve(self) -> tuple[list[int], list[LogprobsEntry | None]]:
-        """One token id per sampling row and its logprobs entry (None if not asked)."""
+    def resolve(self) -> tuple[list[int], list[LogprobsRow | None]]:
+        """One token id per sampling row and its logprobs row (None if not asked)."""
         token_ids = self.token_ids()
         if self._logprobs is None:
             return token_ids, [None] * len(token_ids)
-        parts = [t.tolist() for t in self._logprobs]
-        return token_ids, [None if n is None else _entry(token_id, *(part[row] for part in parts), n)
-                           for row, (token_id, n) in enumerate(zip(token_ids, self._wanted))]
+        return token_ids, logprobs_rows(token_ids, *self._logprobs, self._wanted)
 
-    def prompt_logprobs(self) -> dict[str, list[LogprobsEntry]]:
-        """By request: one entry per prompt token this step predicted (its chunk's next tokens)."""
+    def prompt_logprobs(self) -> dict[str, list[LogprobsRow]]:
+        """By request: one row per prompt token this step predicted (its chunk's next tokens)."""
         self.finish()
         if self._prompt_logprobs and self._done is not None:
             self._done.synchronize()
         resolved = {}
         for request_id, (targets, *parts) in self._prompt_logprobs.items():
-            k = parts[-1].shape[-1]
-            rows = zip(targets.tolist(), *(part.tolist() for part in parts))
-            resolved[request_id] = [_entry(*row, k) for row in rows]
+            resolved[request_id] = logprobs_rows(targets.tolist(), *parts, [parts[-1].shape[-1]] * len(targets))
         return resolved
 
 
-def _entry(token_id: int, logprob: float, rank: int, top_values: list[float], top_ids: list[int], n: int
-           ) -> LogprobsEntry:
-    """vLLM's logprobs entry: the top ``n`` tokens (ranks 1..n) plus the chosen one with its rank."""
-    entry = {tid: Logprob(value, rank=i + 1) for i, (tid, value) in enumerate(zip(top_ids[:n], top_values[:n]))}
-    entry[token_id] = Logprob(logprob, rank=rank)
-    return entry
+def logprobs_rows(token_ids: list[int], chosen: torch.Tensor, ranks: torch.Tensor, top_values: torch.Tensor,
+                  top_ids: torch.Tensor, wanted: list[int | None]) -> list[LogprobsRow | None]:
+    """Each row's token with its logprob and rank, then its top ``n`` (ranks 1..n), from a step's
+    host tensors: a few array operations and one ``tolist`` each, whatever the batch."""
+    num_rows, k = top_ids.shape
+    ids = np.concatenate([np.asarray(token_ids, dtype=np.int64)[:, None], top_ids.numpy()], axis=1).tolist()
+    values = np.concatenate([chosen.numpy()[:, None], top_values.numpy()], axis=1).tolist()
+    top_ranks = np.broadcast_to(np.arange(1, k + 1), (num_rows, k))
+    rank_lists = np.concatenate([ranks.numpy()[:, None], top_ranks], axis=1).tolist()
+    return [None if n is None else (i, v, r) if n == k else (i[:n + 1], v[:n + 1], r[:n + 1])
+            for i, v, r, n in zip(ids, values, rank_lists, wanted)]
 
 
 class SamplerContractError(RuntimeError):
@@ -428,12 +430,10 @@ class ModelRunner:
             if end <= start:
                 continue
             row = inputs.query_start[i] + start - computed
-            logprobs = self.model.compute_logits(hidden_states[row:row + end - start]).float().log_softmax(dim=-1)
-            targets = torch.tensor(request.prompt_token_ids[start + 1:end + 1], device=logprobs.device)
-            chosen = logprobs.gather(1, targets[:, None])
-            ranks = (logprobs > chosen).sum(dim=-1) + 1
-            top_values, top_ids = logprobs.topk(request.sampling_params.prompt_logprobs, dim=-1)
-            result[request.request_id] = (targets, chosen.squeeze(1), ranks, top_values, top_ids)
+            logits = self.model.compute_logits(hidden_states[row:row + end - start])
+            targets = to_device_async(torch.tensor(request.prompt_token_ids[start + 1:end + 1]), logits.device)
+            result[request.request_id] = (targets, *ops_for(logits).token_logprobs(
+                logits, targets, request.sampling_params.prompt_logprobs))
         return result
 
     def _check_sampled(self, sampled: object, num_rows: int) -> None:
@@ -451,11 +451,8 @@ class ModelRunner:
         wanted = [r.sampling_params.logprobs for r in batch.sampling_requests]
         if all(n is None for n in wanted):
             return SampledTokens(sampled)
-        logprobs = logits.log_softmax(dim=-1)
-        top_values, top_ids = logprobs.topk(max(n for n in wanted if n is not None), dim=-1)
-        chosen = logprobs.gather(1, sampled[:, None])
-        ranks = (logprobs > chosen).sum(dim=-1) + 1
-        return SampledTokens(sampled, (chosen.squeeze(1), ranks, top_values, top_ids), wanted)
+        num_top = max(n for n in wanted if n is not None)
+        return SampledTokens(sampled, ops_for(logits).token_logprobs(logits, sampled, num_top), wanted)
 
 
 def _aligned_planes(slot_mapping: np.ndarray, block_tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

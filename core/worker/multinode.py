@@ -146,6 +146,7 @@ def run_headless(config: EngineConfig) -> int:
     """A node that runs ranks only (``hookllm serve --headless``): start this node's ranks, wait
     for them; SIGTERM or SIGINT stops them. 0 when every rank ended cleanly (the engine stopped
     them), 1 when one failed (the others are then stopped)."""
+    # Spawned, not from a fork server: each rank is this command's own child, so that it dies with it.
     context = multiprocessing.get_context("spawn")
     per_node = ranks_per_node(config)
     ranks = range(config.node_rank * per_node, (config.node_rank + 1) * per_node)

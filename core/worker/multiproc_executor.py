@@ -12,7 +12,6 @@ sentinel: either ends the engine with an error naming the rank, never a hang.
 
 from __future__ import annotations
 
-import multiprocessing
 from collections import deque
 import threading
 import traceback
@@ -21,8 +20,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 from hookllm.config import EngineConfig
-from hookllm.outputs import LogprobsEntry
+from hookllm.outputs import LogprobsRow
 from hookllm.sched.output import SchedulerOutput
+from hookllm.utils import process_context
 
 READY_TIMEOUT_S = 600.0  # loading a large checkpoint and capturing CUDA graphs takes a while
 POLL_S = 1.0
@@ -136,7 +136,7 @@ class _ResultSender:
 
 
 # The reporting rank's answer for one step: (token ids, logprobs entries) and the prompt logprobs by request.
-RankAnswer = tuple[tuple[list[int], list[LogprobsEntry | None]], dict[str, list[LogprobsEntry]]]
+RankAnswer = tuple[tuple[list[int], list[LogprobsRow | None]], dict[str, list[LogprobsRow]]]
 
 
 class RemoteStepOutput:
@@ -152,10 +152,10 @@ class RemoteStepOutput:
             self.workers.receive_next_result()
         return self.result
 
-    def resolve(self) -> tuple[list[int], list[LogprobsEntry | None]]:
+    def resolve(self) -> tuple[list[int], list[LogprobsRow | None]]:
         return self._answer()[0]
 
-    def prompt_logprobs(self) -> dict[str, list[LogprobsEntry]]:
+    def prompt_logprobs(self) -> dict[str, list[LogprobsRow]]:
         return self._answer()[1]
 
     def token_ids(self) -> list[int]:
@@ -197,7 +197,7 @@ class MultiprocWorkers:
         the others' ranks (``hookllm.worker.multinode``)."""
         from hookllm.worker.multinode import accept_remote_ranks, ranks_per_node
 
-        context = multiprocessing.get_context("spawn")
+        context = process_context()
         rendezvous = init_method(config)
         for rank in range(ranks_per_node(config)):
             parent, child = context.Pipe()

@@ -190,6 +190,23 @@ def test_filter_thresholds_at_a_llama3_vocab(spread):
     assert (got == want).float().mean().item() >= (0.99 if spread > 1 else 0.5)
 
 
+def test_token_logprobs_at_a_llama3_vocab():
+    """The chosen tokens' logprobs, ranks and the top 20 of 256 float32 rows: the torch reference's."""
+    from hookllm.kernels import triton_ops
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    rows, vocab = 256, 128256
+    logits = torch.randn(rows, vocab, device=DEVICE, generator=gen) * 4
+    logits[::9, 1000:] = float("-inf")
+    token_ids = torch.randint(0, 1000, (rows,), device=DEVICE, generator=gen)
+    got = triton_ops.token_logprobs(logits, token_ids, 20)
+    want = reference.token_logprobs(logits, token_ids, 20)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-4)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=1e-4)
+    assert (got[3] == want[3]).float().mean().item() > 0.99  # float32 near-ties may swap
+
+
 def test_apply_penalties_at_a_llama3_vocab():
     from hookllm.kernels import triton_ops
 
