@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 
 def store_kv(
@@ -89,22 +90,32 @@ def paged_attention(
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         first_key = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
         k, v = _gather_keys(k_cache, v_cache, block_tables[i], first_key, seq_len)
-        k_pos = torch.arange(first_key, seq_len, device=query.device)
         q = query[q_start:q_end].float().transpose(0, 1)  # [H, q_len, D]
-        k = (k.float() * k_scale).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, keys, D]
-        v = (v.float() * v_scale).repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q_len, keys]
-        if softcap is not None:
-            scores = softcap * torch.tanh(scores / softcap)
-        hidden = k_pos[None, :] > q_pos[:, None]
-        if sliding_window is not None:
-            hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
-        scores.masked_fill_(hidden, float("-inf"))
-        probs = _softmax_with_sinks(scores, sinks)
-        out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)
+        k = (k.float() * k_scale if k_scale != 1.0 else k.float()).transpose(0, 1)  # [KV heads, keys, D]
+        v = (v.float() * v_scale if v_scale != 1.0 else v.float()).transpose(0, 1)
+        # A decode row sees every gathered key (the window's first key included): no mask.
+        hidden = None
+        if q_len > 1:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+            k_pos = torch.arange(first_key, seq_len, device=query.device)
+            hidden = k_pos[None, :] > q_pos[:, None]
+            if sliding_window is not None:
+                hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+        if softcap is None and sinks is None:
+            # torch's fused attention (GQA without repeating the keys): the CPU's attention path.
+            attended = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, enable_gqa=True,
+                                                      attn_mask=None if hidden is None else ~hidden)[0]
+        else:
+            k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # [H, keys, D]
+            scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q_len, keys]
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            if hidden is not None:
+                scores.masked_fill_(hidden, float("-inf"))
+            attended = torch.matmul(_softmax_with_sinks(scores, sinks), v)
+        out[q_start:q_end] = attended.transpose(0, 1).to(query.dtype)
     return out
 
 

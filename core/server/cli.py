@@ -158,7 +158,7 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:  # also when _serve ends with the SystemExit of a SIGTERM
         if sock is not None:
             sock.close()
-        _stop_resource_tracker()
+        _stop_multiprocessing_servers()
 
 
 def _check_grpc_args(args: argparse.Namespace) -> None:
@@ -370,20 +370,23 @@ def _run_api_servers(args: argparse.Namespace, config: Any, sock: socket.socket)
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _stop_resource_tracker() -> None:
-    """Stop multiprocessing's resource tracker, which starting a process with "spawn" started here,
-    and wait for it: it ends only once every holder of its pipe has closed it, and this process
-    exiting first would leave it running after ``hookllm serve`` has returned.
+def _stop_multiprocessing_servers() -> None:
+    """Stop multiprocessing's fork server and resource tracker, which starting processes started
+    here, and wait for them: each ends only once every holder of its pipe has closed it, and this
+    process exiting first would leave them running after ``hookllm serve`` has returned.
 
-    ``ResourceTracker._stop`` is private (Python 3.11 to 3.13 have it; elsewhere the tracker still
-    ends on its own just after this process). It waits for the tracker without a deadline, so it
-    runs only when no child is left, i.e. no process of ours still holds the tracker's pipe."""
+    ``ForkServer._stop`` and ``ResourceTracker._stop`` are private (Python 3.11 to 3.13 have them;
+    elsewhere each still ends on its own just after this process). They wait without a deadline,
+    so they run only when no child is left, i.e. no process of ours still holds their pipes."""
     import multiprocessing
-    from multiprocessing import resource_tracker
+    from multiprocessing import forkserver, resource_tracker
 
-    stop = getattr(getattr(resource_tracker, "_resource_tracker", None), "_stop", None)
-    if stop is not None and not multiprocessing.active_children():
-        stop()
+    if multiprocessing.active_children():
+        return
+    for server in (getattr(forkserver, "_forkserver", None), getattr(resource_tracker, "_resource_tracker", None)):
+        stop = getattr(server, "_stop", None)
+        if stop is not None:
+            stop()
 
 
 def _api_server_main(args: argparse.Namespace, config: Any, conns: tuple[Any, ...], sock: socket.socket) -> None:
