@@ -10,6 +10,7 @@ their window. Then: the fallback and ``model_impl``, the one-line refusals, ``ho
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -329,6 +330,18 @@ def test_logits_skip_the_causal_lm_forward_only_when_it_adds_nothing_to_the_head
 DENSE = ["llama", "gemma2-softcap-window", "gemma3-text-window", "phi3", "olmo2", "granite-scalings",
          "cohere-logit-scale", "starcoder2-window", "smollm3-nope-layers", "gpt-neox-partial-rotary",
          "opt-learned-positions"]
+
+
+def test_compiled_code_is_cached_under_hookllms_cache_root_unless_inductor_is_told_otherwise(tiny_llama_dir, tmp_path,
+                                                                                             monkeypatch):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", model_impl="transformers")
+    monkeypatch.setenv("HOOKLLM_CACHE", str(tmp_path / "root"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    llm.engine.engine_core.executor.model.use_torch_compile(backend="eager")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "root" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    llm.engine.engine_core.executor.model.use_torch_compile(backend="eager")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 @pytest.mark.parametrize("name", DENSE)

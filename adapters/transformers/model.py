@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -23,6 +24,7 @@ from hookllm.adapters.transformers.pipeline import StageCut
 from hookllm.adapters.transformers.kernels import head_alone, use_hookllm_modules
 from hookllm.adapters.transformers.weights import build_empty, load_checkpoint_tensors, materialize
 from hookllm.distributed import get_pp_size, get_tp_size
+from hookllm.hub.default_model import cache_dir
 
 
 class TransformersForCausalLM(nn.Module):
@@ -101,8 +103,14 @@ class TransformersForCausalLM(nn.Module):
         inductor fuses the elementwise work transformers' code spreads over many small kernels.
         Shapes are dynamic, so one graph serves every token count (and one more for a single
         token); the CUDA-graph warm-up compiles them before any request. Under tensor parallelism
-        the decoder stays eager, its collectives outside any trace."""
+        the decoder stays eager, its collectives outside any trace.
+
+        Inductor's compiled code (its FX graph and autograd caches, and Triton's kernels under
+        them) is kept under hookllm's cache root, ``inductor/`` there, unless
+        ``TORCHINDUCTOR_CACHE_DIR`` names another place: a restart, or a machine whose temporary
+        folder was cleared, loads it instead of compiling again."""
         if get_tp_size() == 1:
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
             self._decoder_hidden_states = torch.compile(self._run_decoder, backend=backend, dynamic=True)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
