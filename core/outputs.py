@@ -31,7 +31,8 @@ def logprobs_entry(row: LogprobsRow, texts: list[str] | None = None) -> Logprobs
     (one key if it is among the top); ``texts``: each row token's ``decoded_token``."""
     ids, values, ranks = row
     texts = texts or [None] * len(ids)
-    entry = {token: Logprob(value, rank, text) for token, value, rank, text in zip(ids[1:], values[1:], ranks[1:], texts[1:])}
+    entry = {token: Logprob(value, rank, text)
+             for token, value, rank, text in zip(ids[1:], values[1:], ranks[1:], texts[1:])}
     entry[ids[0]] = Logprob(values[0], ranks[0], texts[0])
     return entry
 
