@@ -6,7 +6,7 @@ min-p, the three together, the generation_config defaults of Llama 3, Qwen 3 and
 checkpoints, logprobs, and mixes (a quarter of the rows filtered, every row a different value).
 Temperature 0.6 unless the setting names its own.
 
-    python benchmarks/sampling_grid.py --shape llama-3.2-1b [--workload a|short] [--only top_k]
+    python benchmarks/sampling_grid.py --shape llama-3.2-1b [--workload a|short] [--only top_k,min_p]
 
 Writes JSON to benchmarks/results/sampling-grid-<shape>-<workload>.json (or ``--out``).
 """
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import add_out_argument, commit, device_name, now, write_result  # noqa: E402
 from throughput import WORKLOADS, checkpoint, random_workload, start_llm, timed_call  # noqa: E402
 
-VOCAB = "vocab"  # top_k: the whole vocabulary (no filter, but the top-k path)
+VOCAB = "vocab"  # top_k: the whole vocabulary (keeps every token)
 # name -> the sampling fields of every request, or a list cycled over the requests (a mix).
 GRID: dict[str, dict | list[dict]] = {
     **{f"top_k {k}": {"top_k": k} for k in (1, 20, 50, 1000, VOCAB)},
@@ -62,7 +62,8 @@ def main() -> None:
     parser.add_argument("--root", default="/tmp/hookllm-bench")
     parser.add_argument("--workload", default="a", choices=sorted(WORKLOADS))
     parser.add_argument("--num-requests", type=int, default=None)
-    parser.add_argument("--only", default=None, help="run the settings whose name contains this")
+    parser.add_argument("--only", default=None,
+                        help="run the settings whose name contains one of these (comma-separated)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-cuda-graph-tokens", type=int, default=None)
@@ -78,7 +79,8 @@ def main() -> None:
     prompts, max_tokens = random_workload(args.workload, args.num_requests)
     prompts = [[t % vocab for t in p] for p in prompts]  # --tiny's vocabulary is small
     llm, startup = start_llm(path, args, 2048 + 64)
-    settings = {name: s for name, s in GRID.items() if args.only is None or args.only in name}
+    parts = args.only.split(",") if args.only else [""]
+    settings = {name: s for name, s in GRID.items() if any(part in name for part in parts)}
     plain = request_params({}, max_tokens, vocab)
     output_tokens = sum(max_tokens)
     timed_call(llm, prompts, plain)  # a first call, untimed: what the warm-up left to compile

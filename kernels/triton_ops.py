@@ -225,6 +225,16 @@ FILTER_TOP_P_RANK = 512  # a top-p without a top-k first looks for its nucleus a
 FILTER_PIVOTS = 16  # keys tried per pass of the exact search, when the candidates do not suffice
 FILTER_SEARCH_LANES = 512
 FILTER_WARPS = 8
+# A nucleus that lies below a row's candidates (a flat row: most of the vocabulary) is found by
+# programs that each scan a column range, as the sampling kernel's do: NUCLEUS_ROUNDS rounds
+# narrow a bracket around it at NUCLEUS_PIVOTS points each, then its logits are gathered and
+# sorted. One program per row scanning the row once per pass took 1.7 ms at 256 rows of a
+# 128,256-token vocabulary (H200): its passes wait on memory latency.
+NUCLEUS_ROUNDS = 3
+NUCLEUS_PIVOTS = 16
+NUCLEUS_LANES = 256
+NUCLEUS_PROGRAMS_PER_SM = 16
+NUCLEUS_WARPS = 4
 
 
 @triton.jit
@@ -273,10 +283,120 @@ def _search_threshold(row_ptr, vocab, lo, hi, top, divisor, target, BY_MASS: tl.
 
 
 @triton.jit
+def _nucleus_pivots(lo, hi, PIVOTS: tl.constexpr):
+    # PIVOTS points of [lo, hi), lo first: half evenly spaced in value (a bracket of similar
+    # logits narrows fast), half in float order (so does one spanning many binades).
+    HALF: tl.constexpr = PIVOTS // 2
+    steps = tl.arange(0, PIVOTS)
+    in_value = steps < HALF
+    share = tl.where(in_value, steps, 0).to(tl.float32) / HALF
+    key_lo = _order_key(lo).to(tl.int64)
+    key_steps = tl.where(in_value, 0, steps - HALF).to(tl.int64)
+    by_key = _key_value(key_lo + ((_order_key(hi).to(tl.int64) - key_lo) * key_steps) // HALF)
+    pivots = tl.where(in_value, lo * (1.0 - share) + hi * share, by_key)
+    return tl.minimum(tl.maximum(pivots, lo), hi)
+
+
+@triton.jit(do_not_specialize=["splits"])
+def _nucleus_round_kernel(logits_ptr, temperature_ptr, state_ptr, partial_ptr, vocab, logits_stride, split_len,
+                          splits, PIVOTS: tl.constexpr, LANES: tl.constexpr):
+    # Each program: the mass of its column range's logits above each pivot of its row.
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    if tl.load(state_ptr + row * 4 + 2) >= 0.0:  # the row searches
+        lo = tl.load(state_ptr + row * 4)
+        hi = tl.load(state_ptr + row * 4 + 1)
+        top = tl.load(state_ptr + row * 4 + 3)
+        divisor = tl.load(temperature_ptr + row)
+        pivots = _nucleus_pivots(lo, hi, PIVOTS)
+        lane_mass = tl.zeros([PIVOTS, LANES], tl.float32)
+        row_ptr = logits_ptr + row * logits_stride
+        end = tl.minimum(vocab, split * split_len + split_len)
+        for start in range(split * split_len, end, LANES):
+            cols = start + tl.arange(0, LANES)
+            x = tl.load(row_ptr + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
+            lane_mass += tl.where(x[None, :] > pivots[:, None], tl.exp((x - top) / divisor)[None, :], 0.0)
+        tl.store(partial_ptr + (row * splits + split) * PIVOTS + tl.arange(0, PIVOTS), tl.sum(lane_mass, axis=1))
+
+
+@triton.jit(do_not_specialize=["splits"])
+def _nucleus_update_kernel(state_ptr, partial_ptr, splits, PIVOTS: tl.constexpr, BLOCK_S: tl.constexpr):
+    # The row's bracket (lo, hi] keeps S(lo) >= target > S(hi), S(t) being the mass above t:
+    # the tightest pair of pivots that does.
+    row = tl.program_id(0)
+    target = tl.load(state_ptr + row * 4 + 2)
+    if target >= 0.0:
+        lo = tl.load(state_ptr + row * 4)
+        hi = tl.load(state_ptr + row * 4 + 1)
+        pivots = _nucleus_pivots(lo, hi, PIVOTS)
+        parts = tl.arange(0, BLOCK_S)[:, None]
+        at = partial_ptr + (row * splits + parts) * PIVOTS + tl.arange(0, PIVOTS)[None, :]
+        reach = tl.sum(tl.load(at, mask=parts < splits, other=0.0), axis=0) >= target
+        tl.store(state_ptr + row * 4, tl.maximum(lo, tl.max(tl.where(reach, pivots, float("-inf")), axis=0)))
+        tl.store(state_ptr + row * 4 + 1, tl.minimum(hi, tl.min(tl.where(reach, float("inf"), pivots), axis=0)))
+
+
+@triton.jit
+def _nucleus_gather_kernel(logits_ptr, temperature_ptr, state_ptr, fill_ptr, scratch_ptr, above_ptr, vocab,
+                           logits_stride, split_len, CAPACITY: tl.constexpr, LANES: tl.constexpr):
+    # Each program appends its column range's logits inside the row's bracket to the row's
+    # scratch (counting past CAPACITY), and adds the mass of those above the bracket.
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    if tl.load(state_ptr + row * 4 + 2) >= 0.0:
+        lo = tl.load(state_ptr + row * 4)
+        hi = tl.load(state_ptr + row * 4 + 1)
+        top = tl.load(state_ptr + row * 4 + 3)
+        divisor = tl.load(temperature_ptr + row)
+        lane_above = tl.zeros([LANES], tl.float32)
+        row_ptr = logits_ptr + row * logits_stride
+        end = tl.minimum(vocab, split * split_len + split_len)
+        for start in range(split * split_len, end, LANES):
+            cols = start + tl.arange(0, LANES)
+            x = tl.load(row_ptr + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
+            lane_above += tl.where(x > hi, tl.exp((x - top) / divisor), 0.0)
+            take = ((x > lo) & (x <= hi)).to(tl.int32)
+            taken = tl.sum(take, axis=0)
+            if taken > 0:
+                slot = tl.atomic_add(fill_ptr + row, taken) + tl.cumsum(take, axis=0) - 1
+                tl.store(scratch_ptr + row * CAPACITY + slot, x, mask=(take > 0) & (slot < CAPACITY))
+        tl.atomic_add(above_ptr + row, tl.sum(lane_above, axis=0))
+
+
+@triton.jit
+def _nucleus_finish_kernel(logits_ptr, temperature_ptr, state_ptr, fill_ptr, scratch_ptr, above_ptr, out_ptr, vocab,
+                           logits_stride, CAPACITY: tl.constexpr, PIVOTS: tl.constexpr, SEARCH_LANES: tl.constexpr):
+    # The nucleus's edge from the sorted bracket (or, for a bracket the rounds left too full, the
+    # one-program search from it), folded into the row's threshold.
+    row = tl.program_id(0)
+    target = tl.load(state_ptr + row * 4 + 2)
+    if target >= 0.0:
+        lo = tl.load(state_ptr + row * 4)
+        hi = tl.load(state_ptr + row * 4 + 1)
+        top = tl.load(state_ptr + row * 4 + 3)
+        divisor = tl.load(temperature_ptr + row)
+        count = tl.load(fill_ptr + row)
+        nucleus = hi
+        if count <= CAPACITY:
+            slots = tl.arange(0, CAPACITY)
+            values = tl.load(scratch_ptr + row * CAPACITY + slots, mask=slots < count, other=float("-inf"))
+            values = tl.sort(values, descending=True)
+            probs = tl.exp((values - top) / divisor)
+            before = tl.load(above_ptr + row) + tl.cumsum(probs, axis=0) - probs
+            kept = tl.sum(((before < target) & (slots < count)).to(tl.int32), axis=0)
+            if kept > 0:
+                nucleus = tl.max(tl.where(slots == kept - 1, values, float("-inf")), axis=0)
+        else:
+            nucleus = _search_threshold(logits_ptr + row * logits_stride, vocab, _order_key(lo), _order_key(hi),
+                                        top, divisor, target, True, PIVOTS, SEARCH_LANES)
+        tl.store(out_ptr + row, tl.maximum(tl.load(out_ptr + row), nucleus))
+
+
+@triton.jit
 def _filter_thresholds_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, candidates_ptr, out_ptr,
-                              vocab, logits_stride, RANKS: tl.constexpr, TOP_P: tl.constexpr, LANES: tl.constexpr,
-                              CAPACITY: tl.constexpr, TOP_P_RANK: tl.constexpr, PIVOTS: tl.constexpr,
-                              SEARCH_LANES: tl.constexpr):
+                              state_ptr, fill_ptr, above_ptr, vocab, logits_stride, RANKS: tl.constexpr, TOP_P: tl.constexpr,
+                              SPLIT_NUCLEUS: tl.constexpr, LANES: tl.constexpr, CAPACITY: tl.constexpr,
+                              TOP_P_RANK: tl.constexpr, PIVOTS: tl.constexpr, SEARCH_LANES: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row * logits_stride
     temperature = tl.load(temperature_ptr + row)
@@ -286,11 +406,17 @@ def _filter_thresholds_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
     min_p = tl.load(min_p_ptr + row)
     neg_inf = tl.full([], float("-inf"), tl.float32)
     threshold = neg_inf
+    if SPLIT_NUCLEUS:
+        tl.store(state_ptr + row * 4 + 2, -1.0)  # no split search unless set below
+        tl.store(fill_ptr + row, 0)
+        tl.store(above_ptr + row, 0.0)
     if (temperature > 0.0) & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0)):
-        # Pass 1: each lane's maximum and, for top-p, its mass (an online softmax).
+        # Pass 1: each lane's maximum, for top-p its mass (an online softmax), and for the split
+        # search its smallest finite logit.
         lanes = tl.arange(0, LANES)
         lane_max = tl.full([LANES], float("-inf"), tl.float32)
         lane_mass = tl.zeros([LANES], tl.float32)
+        lane_min = tl.full([LANES], float("inf"), tl.float32)
         for start in range(0, vocab, LANES):
             cols = start + lanes
             x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
@@ -298,9 +424,12 @@ def _filter_thresholds_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
             if TOP_P:
                 base = tl.where(new_max > float("-inf"), new_max, 0.0)  # all -inf so far: no mass
                 lane_mass = lane_mass * tl.exp((lane_max - base) / divisor) + tl.exp((x - base) / divisor)
+            if SPLIT_NUCLEUS:
+                lane_min = tl.minimum(lane_min, tl.where(x > float("-inf"), x, float("inf")))
             lane_max = new_max
         top = tl.max(lane_max, axis=0)
-        mass = tl.sum(lane_mass * tl.exp((lane_max - top) / divisor), axis=0)
+        lane_share = lane_mass * tl.exp((lane_max - top) / divisor)
+        mass = tl.sum(lane_share, axis=0)
         if RANKS:
             if (top_k > 0) | (top_p < 1.0):
                 # Pass 2: the candidates, every finite logit at or above the lane maxima's
@@ -308,50 +437,66 @@ def _filter_thresholds_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
                 rank = tl.where(top_k > 0, top_k, TOP_P_RANK)
                 ranked = tl.sort(lane_max, descending=True)
                 bound = tl.max(tl.where(lanes == rank - 1, ranked, float("-inf")), axis=0)
-                count = 0
-                for start in range(0, vocab, LANES):
-                    cols = start + lanes
-                    x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-                    take = ((x >= bound) & (x > float("-inf"))).to(tl.int32)
-                    taken = tl.sum(take, axis=0)
-                    if taken > 0:  # most tiles hold none: skip the scan
-                        slot = count + tl.cumsum(take, axis=0) - 1
-                        tl.store(candidates_ptr + row * CAPACITY + slot, x, mask=(take > 0) & (slot < CAPACITY))
-                        count += taken
-                tl.debug_barrier()  # the candidates are read back by other threads of the program
-                if count <= CAPACITY:
-                    slots = tl.arange(0, CAPACITY)
-                    values = tl.load(candidates_ptr + row * CAPACITY + slots, mask=slots < count, other=float("-inf"))
-                    values = tl.sort(values, descending=True)
-                    # The k-th largest (-inf when fewer than k logits are finite).
-                    threshold = tl.max(tl.where(slots == top_k - 1, values, float("-inf")), axis=0)
-                    if TOP_P:
-                        if top_p < 1.0:
-                            probs = tl.exp((values - top) / divisor)
-                            kept = tl.sum(((tl.cumsum(probs, axis=0) - probs) < top_p * mass).to(tl.int32), axis=0)
-                            kept = tl.maximum(kept, 1)
-                            # The nucleus lies among the candidates unless all of them are kept and
-                            # finite logits below them remain; a top-k bounds it anyway.
-                            if (top_k > 0) | (kept < count) | (bound == float("-inf")):
-                                nucleus = tl.max(tl.where(slots == kept - 1, values, float("-inf")), axis=0)
-                            else:
-                                lowest = tl.max(tl.where(slots == count - 1, values, float("-inf")), axis=0)
-                                nucleus = _search_threshold(row_ptr, vocab, _order_key(neg_inf),
-                                                            _order_key(lowest), top, divisor, top_p * mass,
-                                                            True, PIVOTS, SEARCH_LANES)
-                            threshold = tl.maximum(threshold, nucleus)
-                else:
-                    # Too many candidates (many logits near the k-th, or k > LANES): exact searches.
-                    if top_k > 0:
-                        if count >= top_k:
-                            lo = tl.where(bound > float("-inf"), _order_key(bound) - 1, _order_key(bound))
-                            threshold = _search_threshold(row_ptr, vocab, lo, _order_key(top), top, divisor,
-                                                          top_k.to(tl.float32), False, PIVOTS, SEARCH_LANES)
-                    if TOP_P:
-                        if top_p < 1.0:
-                            nucleus = _search_threshold(row_ptr, vocab, _order_key(neg_inf), _order_key(top),
-                                                        top, divisor, top_p * mass, True, PIVOTS, SEARCH_LANES)
-                            threshold = tl.maximum(threshold, nucleus)
+                candidates_hold = True
+                if SPLIT_NUCLEUS:
+                    # A nucleus alone that the lanes holding the candidates cannot fill lies below
+                    # them (a flat row): the split search finds it, from just below the row's
+                    # smallest finite logit up to its largest.
+                    candidates_hold = (top_k > 0) | (top_p == 1.0) | (
+                        tl.sum(tl.where(lane_max >= bound, lane_share, 0.0), axis=0) >= top_p * mass)
+                    if candidates_hold == 0:
+                        lowest = tl.min(lane_min, axis=0)
+                        tl.store(state_ptr + row * 4, _key_value(_order_key(lowest).to(tl.int64) - 1))
+                        tl.store(state_ptr + row * 4 + 1, top)
+                        tl.store(state_ptr + row * 4 + 2, top_p * mass)
+                        tl.store(state_ptr + row * 4 + 3, top)
+                if candidates_hold:
+                    count = 0
+                    for start in range(0, vocab, LANES):
+                        cols = start + lanes
+                        x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+                        take = ((x >= bound) & (x > float("-inf"))).to(tl.int32)
+                        taken = tl.sum(take, axis=0)
+                        if taken > 0:  # most tiles hold none: skip the scan
+                            slot = count + tl.cumsum(take, axis=0) - 1
+                            tl.store(candidates_ptr + row * CAPACITY + slot, x, mask=(take > 0) & (slot < CAPACITY))
+                            count += taken
+                    tl.debug_barrier()  # the candidates are read back by other threads of the program
+                    if count <= CAPACITY:
+                        slots = tl.arange(0, CAPACITY)
+                        values = tl.load(candidates_ptr + row * CAPACITY + slots, mask=slots < count,
+                                         other=float("-inf"))
+                        values = tl.sort(values, descending=True)
+                        # The k-th largest (-inf when fewer than k logits are finite).
+                        threshold = tl.max(tl.where(slots == top_k - 1, values, float("-inf")), axis=0)
+                        if TOP_P:
+                            if top_p < 1.0:
+                                probs = tl.exp((values - top) / divisor)
+                                kept = tl.sum(((tl.cumsum(probs, axis=0) - probs) < top_p * mass).to(tl.int32),
+                                              axis=0)
+                                kept = tl.maximum(kept, 1)
+                                # The nucleus lies among the candidates unless all of them are
+                                # kept and finite logits below them remain; a top-k bounds it anyway.
+                                if (top_k > 0) | (kept < count) | (bound == float("-inf")):
+                                    nucleus = tl.max(tl.where(slots == kept - 1, values, float("-inf")), axis=0)
+                                else:
+                                    lowest = tl.max(tl.where(slots == count - 1, values, float("-inf")), axis=0)
+                                    nucleus = _search_threshold(row_ptr, vocab, _order_key(neg_inf),
+                                                                _order_key(lowest), top, divisor, top_p * mass,
+                                                                True, PIVOTS, SEARCH_LANES)
+                                threshold = tl.maximum(threshold, nucleus)
+                    else:
+                        # Too many candidates (many logits near the k-th, or k > LANES): exact searches.
+                        if top_k > 0:
+                            if count >= top_k:
+                                lo = tl.where(bound > float("-inf"), _order_key(bound) - 1, _order_key(bound))
+                                threshold = _search_threshold(row_ptr, vocab, lo, _order_key(top), top, divisor,
+                                                              top_k.to(tl.float32), False, PIVOTS, SEARCH_LANES)
+                        if TOP_P:
+                            if top_p < 1.0:
+                                nucleus = _search_threshold(row_ptr, vocab, _order_key(neg_inf), _order_key(top),
+                                                            top, divisor, top_p * mass, True, PIVOTS, SEARCH_LANES)
+                                threshold = tl.maximum(threshold, nucleus)
         if min_p > 0.0:
             threshold = tl.maximum(threshold, top + divisor * tl.log(min_p))
     tl.store(out_ptr + row, threshold)
@@ -361,15 +506,51 @@ def filter_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
                       min_p: torch.Tensor, needed: int, any_top_p: bool) -> torch.Tensor:
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    if rows:
-        candidates = torch.empty((rows, FILTER_CAPACITY) if needed else (1,), dtype=torch.float32,
-                                 device=logits.device)
-        _filter_thresholds_kernel[(rows,)](
-            logits, temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), min_p.contiguous(), candidates,
-            out, vocab, logits.stride(0), RANKS=needed > 0, TOP_P=any_top_p, LANES=FILTER_LANES,
-            CAPACITY=FILTER_CAPACITY, TOP_P_RANK=FILTER_TOP_P_RANK, PIVOTS=FILTER_PIVOTS,
-            SEARCH_LANES=FILTER_SEARCH_LANES, num_warps=FILTER_WARPS)
+    if not rows:
+        return out
+    temperature = temperature.contiguous()
+    candidates = torch.empty((rows, FILTER_CAPACITY) if needed else (1,), dtype=torch.float32, device=logits.device)
+    # Some row's nucleus may stand alone (``needed`` is the vocabulary): its flat rows are searched
+    # by programs over column ranges, after this kernel. Per row: lo, hi, target mass and top
+    # logit of the search; how many logits lie in its bracket, and the mass above it.
+    split_nucleus = any_top_p and needed >= vocab
+    state = torch.empty((rows, 4) if split_nucleus else (1,), dtype=torch.float32, device=logits.device)
+    fill = torch.empty(rows if split_nucleus else 1, dtype=torch.int32, device=logits.device)
+    above = torch.empty(rows if split_nucleus else 1, dtype=torch.float32, device=logits.device)
+    _filter_thresholds_kernel[(rows,)](
+        logits, temperature, top_k.contiguous(), top_p.contiguous(), min_p.contiguous(), candidates, out, state,
+        fill, above, vocab, logits.stride(0), RANKS=needed > 0, TOP_P=any_top_p, SPLIT_NUCLEUS=split_nucleus,
+        LANES=FILTER_LANES, CAPACITY=FILTER_CAPACITY, TOP_P_RANK=FILTER_TOP_P_RANK, PIVOTS=FILTER_PIVOTS,
+        SEARCH_LANES=FILTER_SEARCH_LANES, num_warps=FILTER_WARPS)
+    if split_nucleus:
+        _split_nucleus_search(logits, temperature, state, fill, above, candidates, out)
     return out
+
+
+def _split_nucleus_search(logits: torch.Tensor, temperature: torch.Tensor, state: torch.Tensor, fill: torch.Tensor,
+                          above: torch.Tensor, scratch: torch.Tensor, out: torch.Tensor) -> None:
+    """The nucleus of the rows the filter kernel left searching, folded into ``out``. Every
+    launch is made whatever the rows need (no sync): a row that does not search returns at once."""
+    rows, vocab = logits.shape
+    blocks = triton.cdiv(vocab, NUCLEUS_LANES)
+    # Like the sampling kernel's: column ranges until the SMs are full; variants depend only on
+    # the vocabulary.
+    splits = max(1, min(blocks, NUCLEUS_PROGRAMS_PER_SM * num_sms(logits.device) // rows))
+    split_len = triton.cdiv(blocks, splits) * NUCLEUS_LANES
+    splits = triton.cdiv(vocab, split_len)
+    partial = torch.empty((rows, splits, NUCLEUS_PIVOTS), dtype=torch.float32, device=logits.device)
+    for _ in range(NUCLEUS_ROUNDS):
+        _nucleus_round_kernel[(rows, splits)](logits, temperature, state, partial, vocab, logits.stride(0), split_len,
+                                              splits, PIVOTS=NUCLEUS_PIVOTS, LANES=NUCLEUS_LANES,
+                                              num_warps=NUCLEUS_WARPS)
+        _nucleus_update_kernel[(rows,)](state, partial, splits, PIVOTS=NUCLEUS_PIVOTS,
+                                        BLOCK_S=triton.next_power_of_2(blocks))
+    _nucleus_gather_kernel[(rows, splits)](logits, temperature, state, fill, scratch, above, vocab, logits.stride(0),
+                                           split_len, CAPACITY=FILTER_CAPACITY, LANES=NUCLEUS_LANES,
+                                           num_warps=NUCLEUS_WARPS)
+    _nucleus_finish_kernel[(rows,)](logits, temperature, state, fill, scratch, above, out, vocab, logits.stride(0),
+                                    CAPACITY=FILTER_CAPACITY, PIVOTS=FILTER_PIVOTS, SEARCH_LANES=FILTER_SEARCH_LANES,
+                                    num_warps=FILTER_WARPS)
 
 
 TOKEN_LOGPROBS_LANES = 2048

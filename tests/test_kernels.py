@@ -312,7 +312,7 @@ def small_filter_lanes(monkeypatch):
     from hookllm.kernels import triton_ops
 
     for name, value in [("FILTER_LANES", 64), ("FILTER_CAPACITY", 64), ("FILTER_TOP_P_RANK", 16),
-                        ("FILTER_SEARCH_LANES", 64)]:
+                        ("FILTER_SEARCH_LANES", 64), ("NUCLEUS_LANES", 32)]:
         monkeypatch.setattr(triton_ops, name, value)
 
 
@@ -321,6 +321,9 @@ FILTER_CASES = {
     "top-k above the lanes: exact search": dict(top_k=[100, 65, 300, 2]),
     "top-p within its candidates": dict(top_p=[0.5, 0.9, 0.99, 1.0]),
     "top-p beyond its candidates: exact search": dict(top_p=[0.5, 0.9, 0.99, 0.3], spread=0.05),
+    "top-p beyond its candidates, a logit at the float minimum": dict(top_p=[0.5, 0.9, 0.999, 0.3], spread=0.05,
+                                                                      lowest=True),
+    "top-k of nearly the whole row": dict(top_k=[499, 450, 300, 498]),
     "top-p within top-k": dict(top_k=[50, 20, 3, 50], top_p=[0.9, 0.5, 0.95, 1.0]),
     "min-p": dict(min_p=[0.05, 0.2, 0.5, 0.0]),
     "all three, a greedy row": dict(top_k=[50, 0, 10, 0], top_p=[0.9, 1.0, 0.8, 0.7], min_p=[0.1, 0.05, 0.0, 0.0],
@@ -338,6 +341,8 @@ def test_filter_thresholds_kernel_keeps_what_the_reference_keeps(case, small_fil
     logits = torch.randn(4, 500, generator=gen) * 3 * case.get("spread", 1.0)
     if case.get("ties"):
         logits = logits.round()
+    if case.get("lowest"):
+        logits[:, 7] = torch.finfo(torch.float32).min  # a range of many binades to search
     if "finite" in case:
         logits[:, case["finite"]:] = float("-inf")  # as a structured-output mask leaves them
     temperature = torch.full((4,), 0.7)

@@ -83,6 +83,11 @@ def test_top_k_samples_only_the_k_most_likely():
     assert drawn == {1, 3, 0}
 
 
+@pytest.mark.parametrize("top_k", [6, 100])
+def test_a_top_k_of_the_whole_vocabulary_keeps_every_token(top_k):
+    assert set(_draw(LOGITS, SamplingParams(temperature=1.0, top_k=top_k)).tolist()) == set(range(6))
+
+
 def test_filters_apply_per_row():
     logits = LOGITS.repeat(2, 1)
     threshold = filter_thresholds(logits, torch.ones(2), torch.tensor([2, 0]), torch.ones(2), torch.zeros(2),

@@ -51,6 +51,7 @@ def sample(logits: torch.Tensor, requests: Sequence[CachedRequestState], generat
     table = np.fromiter(chain.from_iterable(entries), dtype=np.float32, count=5 * len(entries))
     table = table.reshape(-1, 5).T.copy()
     temperature, top_k, top_p, min_p, seeded_rows = table
+    top_k[top_k >= logits.shape[1]] = 0  # a top-k of the whole vocabulary keeps every token
     sampled = temperature > 0
     if not sampled.any():
         return logits.argmax(dim=-1)

@@ -38,12 +38,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GREEDY = SamplingParams(temperature=0.0)
-# One of each sampler path: argmax, the noise race, the filter kernel's three variants (ranks
-# and a nucleus, ranks alone, min-p alone), seeded noise, logprobs, and the penalty and bias stage.
+# One of each sampler path: argmax, the noise race, the filter kernel's four variants (ranks
+# and a nucleus, a nucleus alone with its split search, ranks alone, min-p alone), seeded noise,
+# logprobs, and the penalty and bias stage.
 SAMPLER_PATHS = (
     GREEDY,
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05),
+    SamplingParams(temperature=0.8, top_p=0.9),
     SamplingParams(temperature=0.8, top_k=20),
     SamplingParams(temperature=0.8, min_p=0.05),
     SamplingParams(temperature=1.0, seed=0),
@@ -104,9 +106,10 @@ def warmup_steps(max_num_batched_tokens: int, max_model_len: int, block_size: in
     # One decode at sequence lengths 2^k: eager attention cuts longer contexts into more key ranges.
     steps += [Step((Row(length - 1, 1, GREEDY),)) for length in doubling(2 * block_size, longest)]
     # The sampler's paths, each alone in steps of SAMPLER_BATCH_SIZES rows (every alignment of its
-    # parameter table), then all in one batch; prompt logprobs.
+    # parameter table), then all in one batch (as many as the budget holds); prompt logprobs.
     steps += [Step((Row(context, 1, params),) * rows) for params in SAMPLER_PATHS for rows in SAMPLER_BATCH_SIZES]
-    steps.append(Step(tuple(Row(context, 1, params) for params in SAMPLER_PATHS)))
+    every_path = tuple(Row(context, 1, params) for params in SAMPLER_PATHS)
+    steps += [Step(every_path[start:start + budget]) for start in range(0, len(every_path), budget)]
     steps.append(Step((Row(0, min(block_size, longest), PROMPT_LOGPROBS),)))
     return steps
 

@@ -132,6 +132,7 @@ def varied_requests(num: int, seed: int) -> tuple[list[dict], list[SamplingParam
     prefixes = [[rng.randrange(320) for _ in range(length)] for length in (37, 300, 900)]
     prompts, params = [], []
     paths = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.8, top_k=40, top_p=0.9),
+             dict(temperature=0.8, top_p=0.95), dict(temperature=0.8, min_p=0.05),
              dict(temperature=1.0, seed=7), dict(temperature=0.0, logprobs=3),
              dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5),
              dict(temperature=0.0, prompt_logprobs=2), dict(temperature=0.8, n=2)]
