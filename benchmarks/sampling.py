@@ -9,9 +9,10 @@ L2 flushed between calls).
 
     python benchmarks/sampling.py [--rows 1 64 256] [--tune]
 
-``--tune`` also times the filter kernel with other lane counts and warps, and the sampling
-kernel with other column ranges per SM, warps and tile widths (checking it picks the same tokens). Writes JSON to
-benchmarks/results/sampling.json (or ``--out``).
+It also times ``token_logprobs`` (the chosen tokens' logprobs and ranks, and the top 0, 1, 5 or
+20) against its torch reference. ``--tune`` also times the filter kernel with other lane counts
+and warps, and the sampling kernel with other column ranges per SM, warps and tile widths
+(checking it picks the same tokens). Writes JSON to benchmarks/results/sampling.json (or ``--out``).
 """
 
 from __future__ import annotations
@@ -84,6 +85,22 @@ def penalty_row(rows: int) -> dict:
                 torch_ms=time_ms(lambda: reference.apply_penalties(logits, index, index, *tables)))
 
 
+def logprobs_rows(rows: int, spread: float) -> list[dict]:
+    """``token_logprobs`` (the chosen tokens' logprobs and ranks, and the top n) against torch's."""
+    logits = torch.randn(rows, VOCAB, device="cuda") * spread
+    token_ids = torch.randint(0, VOCAB, (rows,), device="cuda")
+    results = []
+    for num_top in (0, 1, 5, 20):
+        got = triton_ops.token_logprobs(logits, token_ids, num_top)
+        want = reference.token_logprobs(logits, token_ids, num_top)
+        results.append(dict(
+            num_top=num_top, same_ids=torch.equal(got[3], want[3]) and torch.equal(got[1], want[1]),
+            max_error=max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(got[::2], want[::2])),
+            triton_ms=time_ms(lambda: triton_ops.token_logprobs(logits, token_ids, num_top)),
+            torch_ms=time_ms(lambda: reference.token_logprobs(logits, token_ids, num_top))))
+    return results
+
+
 def tune(rows: int) -> list[dict]:
     """The filter kernel's time with other lane counts and warps, for every filter on both logits shapes."""
     cases = {f"{name}, {spread_name}": filter_args(torch.randn(rows, VOCAB, device="cuda") * spread, *FILTERS[name])
@@ -128,7 +145,8 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true")
     add_out_argument(parser)
     args = parser.parse_args()
-    payload = dict(device=device_name(), commit=commit(), date=now(), vocab=VOCAB, filters={}, penalties=[])
+    payload = dict(device=device_name(), commit=commit(), date=now(), vocab=VOCAB, filters={}, logprobs={},
+                   penalties=[])
     print(f"{'rows':>5} {'logits':>7} {'filters':<22} {'triton ms':>10} {'torch ms':>9} {'sample ms':>10} {'kept':>8}  same")
     for rows in args.rows:
         for spread_name, spread in SPREADS.items():
@@ -138,6 +156,14 @@ def main() -> None:
                 print(f"{rows:>5} {spread_name:>7} {m['filters']:<22} {m['triton_ms']:>10.3f} {m['torch_ms']:>9.3f} "
                       f"{m['sample_ms']:>10.3f} {m.get('kept', VOCAB):>8.0f}  {m.get('same_as_torch', '')}")
         payload["penalties"].append(penalty_row(rows))
+    print(f"\n{'rows':>5} {'logits':>7} {'logprobs':>9} {'triton ms':>10} {'torch ms':>9}  same ids, max error")
+    for rows in args.rows:
+        for spread_name, spread in SPREADS.items():
+            measured = logprobs_rows(rows, spread)
+            payload["logprobs"][f"{rows}-{spread_name}"] = measured
+            for m in measured:
+                print(f"{rows:>5} {spread_name:>7} {m['num_top']:>9} {m['triton_ms']:>10.3f} {m['torch_ms']:>9.3f}  "
+                      f"{m['same_ids']}, {m['max_error']:.1e}")
     print(f"\n{'rows':>5} {'penalties: triton ms':>21} {'torch ms':>9}")
     for m in payload["penalties"]:
         print(f"{m['rows']:>5} {m['triton_ms']:>21.3f} {m['torch_ms']:>9.3f}")

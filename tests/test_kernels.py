@@ -358,7 +358,7 @@ def test_filter_thresholds_kernel_keeps_what_the_reference_keeps(case, small_fil
     assert torch.equal(logits >= triton_ops.filter_thresholds(*args)[:, None], want)
 
 
-@pytest.mark.parametrize("num_top", [0, 3])
+@pytest.mark.parametrize("num_top", [0, 1, 3, 20])
 def test_token_logprobs_kernel_matches_log_softmax(num_top, monkeypatch):
     from hookllm.kernels import triton_ops
 
@@ -374,6 +374,27 @@ def test_token_logprobs_kernel_matches_log_softmax(num_top, monkeypatch):
     expected_values, expected_ids = want.topk(num_top, dim=-1)
     torch.testing.assert_close(top_values, expected_values, rtol=0, atol=1e-5)
     assert torch.equal(top_ids, expected_ids)
+
+
+@pytest.mark.parametrize("capacity", [128, 4], ids=["candidates", "exact search"])
+def test_token_logprobs_top_ones_with_ties_and_few_finite_logits(capacity, monkeypatch):
+    """Tied logits are reported lowest id first; a row with fewer finite logits than asked
+    reports them, then -inf at the lowest ids of the rest. With a capacity of 4 candidates the
+    rows overflow it and take the exact search."""
+    from hookllm.kernels import triton_ops
+
+    monkeypatch.setattr(triton_ops, "TOKEN_LOGPROBS_LANES", 32)
+    monkeypatch.setattr(triton_ops, "TOKEN_LOGPROBS_CAPACITY", capacity)
+    logits = torch.full((3, 100), float("-inf"))
+    logits[0] = torch.arange(100) % 7  # values 0..6, each about 14 times
+    logits[1, [90, 3, 41]] = torch.tensor([2.0, 1.0, 2.0])
+    logits[2] = 1.5  # all equal
+    _, _, top_values, top_ids = triton_ops.token_logprobs(logits, torch.tensor([0, 3, 99]), 8)
+    want = logits.log_softmax(dim=-1)
+    assert top_ids[0].tolist() == [6, 13, 20, 27, 34, 41, 48, 55]
+    assert top_ids[1].tolist() == [41, 90, 3, 0, 1, 2, 4, 5]
+    assert top_ids[2].tolist() == list(range(8))
+    torch.testing.assert_close(top_values, want.gather(1, top_ids), rtol=0, atol=1e-5)
 
 
 def test_apply_penalties_kernel_matches_reference():

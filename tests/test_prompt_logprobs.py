@@ -16,16 +16,17 @@ def expected(tiny_llama_reference) -> torch.Tensor:
         return tiny_llama_reference(torch.tensor([PROMPT])).logits[0].float().log_softmax(dim=-1)
 
 
-def check(output, expected: torch.Tensor, k: int) -> None:
+def check(output, expected: torch.Tensor, k: int, prompt: list[int] = PROMPT) -> None:
     entries = output.prompt_logprobs
-    assert len(entries) == len(PROMPT) and entries[0] is None
+    assert len(entries) == len(prompt) and entries[0] is None
     for position, entry in enumerate(entries[1:]):
         row = expected[position]
-        token = PROMPT[position + 1]
+        token = prompt[position + 1]
         assert abs(entry[token].logprob - row[token].item()) < 1e-4
         assert entry[token].rank == int((row > row[token]).sum()) + 1
         top = row.topk(k).indices.tolist()
         assert set(top) <= set(entry) and [entry[t].rank for t in top] == list(range(1, k + 1))
+        assert len(entry) == k + (token not in top)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -41,6 +42,21 @@ def test_prompt_logprobs_across_prefill_chunks(tiny_llama_dir, expected):
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_num_batched_tokens=7)
     out = llm.generate([PROMPT], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
     check(out, expected, 1)
+
+
+def test_requests_of_one_step_get_their_own_prompt_logprobs(tiny_llama_dir, tiny_llama_reference):
+    """Prompts of several lengths asking 3, none, 0 and 1 top ones, prefilled in one step."""
+    prompts = [PROMPT, PROMPT[:12], PROMPT[:9], PROMPT[5:]]
+    asked = [3, None, 0, 1]
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu")
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           [SamplingParams(max_tokens=2, prompt_logprobs=k) for k in asked], use_tqdm=False)
+    assert outputs[1].prompt_logprobs is None
+    for prompt, k, output in zip(prompts, asked, outputs):
+        if k is not None:
+            with torch.no_grad():
+                expected = tiny_llama_reference(torch.tensor([prompt])).logits[0].float().log_softmax(dim=-1)
+            check(output, expected, k, prompt)
 
 
 def test_no_prompt_logprobs_unless_asked(tiny_llama_dir):

@@ -415,8 +415,8 @@ class ModelRunner:
     def _prompt_logprobs(self, batch: Batch, hidden_states: torch.Tensor, inputs: ModelInputs
                          ) -> dict[str, tuple[torch.Tensor, ...]]:
         """For requests asking prompt logprobs: each chunk position's logprob of the next prompt
-        token, its rank and the top k, from the model's raw logits."""
-        result = {}
+        token, its rank and the top k, from the model's raw logits (one pass for all of them)."""
+        spans = []  # (request, its first row in the step's hidden states, first and end positions)
         for i, request in enumerate(batch.requests):
             reported = self.prompt_logprob_ids.get(request.request_id)
             if reported is None:
@@ -427,13 +427,22 @@ class ModelRunner:
                 del self.prompt_logprob_ids[request.request_id]  # its last prompt chunk
             else:
                 self.prompt_logprob_ids[request.request_id] = max(reported, end)
-            if end <= start:
-                continue
-            row = inputs.query_start[i] + start - computed
-            logits = self.model.compute_logits(hidden_states[row:row + end - start])
-            targets = to_device_async(torch.tensor(request.prompt_token_ids[start + 1:end + 1]), logits.device)
-            result[request.request_id] = (targets, *ops_for(logits).token_logprobs(
-                logits, targets, request.sampling_params.prompt_logprobs))
+            if end > start:
+                spans.append((request, inputs.query_start[i] + start - computed, start, end))
+        if not spans:
+            return {}
+        rows = np.concatenate([np.arange(row, row + end - start) for _, row, start, end in spans])
+        targets = np.concatenate([request.prompt_token_ids[start + 1:end + 1] for request, _, start, end in spans])
+        rows_t, targets_t = to_device_async(torch.from_numpy(np.stack([rows, targets])), hidden_states.device)
+        logits = self.model.compute_logits(hidden_states[rows_t])
+        num_top = max(request.sampling_params.prompt_logprobs for request, *_ in spans)
+        logprob, rank, top_values, top_ids = ops_for(logits).token_logprobs(logits, targets_t, num_top)
+        result, first = {}, 0
+        for request, _, start, end in spans:
+            part, n = slice(first, first + end - start), request.sampling_params.prompt_logprobs
+            result[request.request_id] = (targets_t[part], logprob[part], rank[part], top_values[part, :n],
+                                          top_ids[part, :n])
+            first = part.stop
         return result
 
     def _check_sampled(self, sampled: object, num_rows: int) -> None:
