@@ -34,12 +34,15 @@ def store_kv(
     An FP8 cache stores ``to_fp8(key, k_scale)`` and ``to_fp8(value, v_scale)`` (the attention
     multiplies them back); any other cache dtype stores the values rounded to it, unscaled."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
+    slots = slot_mapping.long()
+    if not bool((slots >= 0).all()):  # padded rows: boolean indexing only then (it costs more than the write)
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
     for new, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
-        rows = to_fp8(new[keep], scale) if cache.dtype == FP8_DTYPE else new[keep].to(cache.dtype)
+        rows = to_fp8(new, scale) if cache.dtype == FP8_DTYPE else new.to(cache.dtype)
         # Indexed writes have no float8 kernels: write the bytes.
-        cache.view(torch.uint8).view(num_blocks * block_size, num_kv_heads, -1)[slots] = rows.view(torch.uint8)
+        cache.view(torch.uint8).view(num_blocks * block_size, num_kv_heads, -1).index_copy_(
+            0, slots, rows.view(torch.uint8))
 
 
 def paged_attention(
