@@ -147,23 +147,21 @@ def main() -> None:
     args = parser.parse_args()
     payload = dict(device=device_name(), commit=commit(), date=now(), vocab=VOCAB, filters={}, logprobs={},
                    penalties=[])
-    print(f"{'rows':>5} {'logits':>7} {'filters':<22} {'triton ms':>10} {'torch ms':>9} {'sample ms':>10} {'kept':>8}  same")
     for rows in args.rows:
         for spread_name, spread in SPREADS.items():
-            measured = filter_rows(rows, spread)
-            payload["filters"][f"{rows}-{spread_name}"] = measured
-            for m in measured:
-                print(f"{rows:>5} {spread_name:>7} {m['filters']:<22} {m['triton_ms']:>10.3f} {m['torch_ms']:>9.3f} "
-                      f"{m['sample_ms']:>10.3f} {m.get('kept', VOCAB):>8.0f}  {m.get('same_as_torch', '')}")
+            payload["filters"][f"{rows}-{spread_name}"] = filter_rows(rows, spread)
+            payload["logprobs"][f"{rows}-{spread_name}"] = logprobs_rows(rows, spread)
         payload["penalties"].append(penalty_row(rows))
-    print(f"\n{'rows':>5} {'logits':>7} {'logprobs':>9} {'triton ms':>10} {'torch ms':>9}  same ids, max error")
-    for rows in args.rows:
-        for spread_name, spread in SPREADS.items():
-            measured = logprobs_rows(rows, spread)
-            payload["logprobs"][f"{rows}-{spread_name}"] = measured
-            for m in measured:
-                print(f"{rows:>5} {spread_name:>7} {m['num_top']:>9} {m['triton_ms']:>10.3f} {m['torch_ms']:>9.3f}  "
-                      f"{m['same_ids']}, {m['max_error']:.1e}")
+    print(f"{'rows':>5} {'logits':>7} {'filters':<22} {'triton ms':>10} {'torch ms':>9} {'sample ms':>10} {'kept':>8}  same")
+    for case, measured in payload["filters"].items():
+        rows, spread_name = case.split("-")
+        for m in measured:
+            print(f"{rows:>5} {spread_name:>7} {m['filters']:<22} {m['triton_ms']:>10.3f} {m['torch_ms']:>9.3f} "
+                  f"{m['sample_ms']:>10.3f} {m.get('kept', VOCAB):>8.0f}  {m.get('same_as_torch', '')}")
+    print(f"\n{'case':>13} {'logprobs':>9} {'triton ms':>10} {'torch ms':>9}  same ids, max error")
+    for case, measured in payload["logprobs"].items():
+        print("\n".join(f"{case:>13} {m['num_top']:>9} {m['triton_ms']:>10.3f} {m['torch_ms']:>9.3f}  "
+                        f"{m['same_ids']}, {m['max_error']:.1e}" for m in measured))
     print(f"\n{'rows':>5} {'penalties: triton ms':>21} {'torch ms':>9}")
     for m in payload["penalties"]:
         print(f"{m['rows']:>5} {m['triton_ms']:>21.3f} {m['torch_ms']:>9.3f}")
