@@ -433,7 +433,8 @@ class ModelRunner:
             return {}
         rows = np.concatenate([np.arange(row, row + end - start) for _, row, start, end in spans])
         targets = np.concatenate([request.prompt_token_ids[start + 1:end + 1] for request, _, start, end in spans])
-        rows_t, targets_t = to_device_async(torch.from_numpy(np.stack([rows, targets])), hidden_states.device)
+        # Targets first: the logprobs kernel's pointer stays 16-byte aligned (Triton compiles a variant per alignment).
+        targets_t, rows_t = to_device_async(torch.from_numpy(np.stack([targets, rows])), hidden_states.device)
         logits = self.model.compute_logits(hidden_states[rows_t])
         num_top = max(request.sampling_params.prompt_logprobs for request, *_ in spans)
         logprob, rank, top_values, top_ids = ops_for(logits).token_logprobs(logits, targets_t, num_top)
