@@ -4,7 +4,8 @@ For 256 requests of 64 tokens, reports the wall time of ``LLMEngine.step`` minus
 ``execute`` (scheduling, output processing, detokenizing) per token, offline (final outputs)
 and streamed (delta outputs); and, for the streamed run, what a step's report costs to cross
 the engine process's pipe (``pack_output``, msgpack encode and decode) per token. Minimum of
-``--repeat`` runs. Runs anywhere: ``python benchmarks/engine_overhead.py``.
+``--repeat`` runs; ``--logprobs N`` asks every request for N logprobs. Runs anywhere:
+``python benchmarks/engine_overhead.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from hookllm.engine.messages import EngineReport, decode_report, encode_report, 
 from hookllm.worker.worker import Worker  # noqa: E402
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], output_kind: str, tag: str) -> tuple[float, float]:
+def run(engine: LLMEngine, prompts: list[list[int]], output_kind: str, tag: str,
+        logprobs: int | None = None) -> tuple[float, float]:
     """(engine host us/token, report wire us/token) for one pass over ``prompts``."""
     execute_s = [0.0]
     real_execute = Worker.execute
@@ -37,7 +39,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], output_kind: str, tag: str)
 
     Worker.execute = timed
     try:
-        params = SamplingParams(max_tokens=64, ignore_eos=True, seed=1, output_kind=output_kind)
+        params = SamplingParams(max_tokens=64, ignore_eos=True, seed=1, output_kind=output_kind, logprobs=logprobs)
         for i, prompt in enumerate(prompts):
             engine.add_request(f"{tag}-{i}", prompt, params)
         wire_s, tokens, heads = 0.0, 0, set()
@@ -60,6 +62,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], output_kind: str, tag: str)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--logprobs", type=int, default=None, help="every request's logprobs (default: none)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     folder = tempfile.mkdtemp()
@@ -71,7 +74,7 @@ def main() -> None:
                                     num_kv_blocks=4096))
     prompts = testing.random_prompts(256, 300, 8, 16)
     for kind in ("final_only", "delta"):
-        host, wire = zip(*(run(engine, prompts, kind, f"{kind}-{r}") for r in range(args.repeat)))
+        host, wire = zip(*(run(engine, prompts, kind, f"{kind}-{r}", args.logprobs) for r in range(args.repeat)))
         wire_text = f", report pack + encode + decode {min(wire):.2f}" if kind == "delta" else ""
         print(f"{kind:>10}: engine host {min(host):.2f} us/token{wire_text}")
 
