@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 import threading
+import time
 import traceback
 from dataclasses import replace
 from multiprocessing.connection import Connection, wait
@@ -26,6 +27,9 @@ from hookllm.utils import process_context
 
 READY_TIMEOUT_S = 600.0  # loading a large checkpoint and capturing CUDA graphs takes a while
 POLL_S = 1.0
+# A rank's error can be the echo of another's loss (its collective's peer is gone): how long to
+# watch the other ranks for a death before blaming the one that reported.
+LOSS_GRACE_S = 0.5
 
 
 class WorkerError(RuntimeError):
@@ -258,6 +262,9 @@ class MultiprocWorkers:
                 if conn in ready:
                     tag, payload = self._recv(r)
                     if tag == "error":
+                        lost = self._lost_rank(r)
+                        if lost is not None:
+                            self._fail(lost[0], f"{lost[1]} (then rank {r} failed: {payload.strip()})")
                         self._fail(r, payload)
                     self.inbox[r].append((tag, payload))
             for r, process in enumerate(self.processes):
@@ -266,6 +273,24 @@ class MultiprocWorkers:
             waited += POLL_S
             if timeout_s is not None and waited > timeout_s:
                 self._fail(rank, f"no {kind!r} message within {timeout_s:.0f} s")
+
+    def _lost_rank(self, reporting: int) -> tuple[int, str] | None:
+        """Another rank whose process exits or whose connection closes within ``LOSS_GRACE_S``,
+        with why; messages that arrive meanwhile are kept for their turn."""
+        others = [r for r in range(len(self.conns)) if r != reporting]
+        deadline = time.monotonic() + LOSS_GRACE_S
+        while (left := deadline - time.monotonic()) > 0:
+            ready = wait([self.conns[r] for r in others] + [self.processes[r].sentinel for r in others
+                                                           if r < len(self.processes)], timeout=left)
+            for r in others:
+                if self.conns[r] in ready:
+                    try:
+                        self.inbox[r].append(self.conns[r].recv())
+                    except (EOFError, OSError):
+                        return r, "its connection closed"
+                if r < len(self.processes) and self.processes[r].sentinel in ready and not self.conns[r].poll():
+                    return r, f"the process exited with code {self.processes[r].exitcode}"
+        return None
 
     def _recv(self, rank: int) -> tuple[str, Any]:
         try:
