@@ -262,10 +262,7 @@ class MultiprocWorkers:
                 if conn in ready:
                     tag, payload = self._recv(r)
                     if tag == "error":
-                        lost = self._lost_rank(r)
-                        if lost is not None:
-                            self._fail(lost[0], f"{lost[1]} (then rank {r} failed: {payload.strip()})")
-                        self._fail(r, payload)
+                        self._fail(*self._blame(r, payload))
                     self.inbox[r].append((tag, payload))
             for r, process in enumerate(self.processes):
                 if process.sentinel in ready and not self.conns[r].poll() and not self.inbox[r]:
@@ -274,23 +271,28 @@ class MultiprocWorkers:
             if timeout_s is not None and waited > timeout_s:
                 self._fail(rank, f"no {kind!r} message within {timeout_s:.0f} s")
 
-    def _lost_rank(self, reporting: int) -> tuple[int, str] | None:
-        """Another rank whose process exits or whose connection closes within ``LOSS_GRACE_S``,
-        with why; messages that arrive meanwhile are kept for their turn."""
+    def _blame(self, reporting: int, cause: str) -> tuple[int, str]:
+        """The rank to name for ``reporting``'s error, and why: another rank whose process exits or
+        whose connection closes within ``LOSS_GRACE_S`` (messages meanwhile are read past: the
+        engine fails either way), else the reporting rank itself."""
         others = [r for r in range(len(self.conns)) if r != reporting]
         deadline = time.monotonic() + LOSS_GRACE_S
         while (left := deadline - time.monotonic()) > 0:
             ready = wait([self.conns[r] for r in others] + [self.processes[r].sentinel for r in others
                                                            if r < len(self.processes)], timeout=left)
             for r in others:
+                lost = None
                 if self.conns[r] in ready:
                     try:
-                        self.inbox[r].append(self.conns[r].recv())
+                        self.conns[r].recv()
                     except (EOFError, OSError):
-                        return r, "its connection closed"
-                if r < len(self.processes) and self.processes[r].sentinel in ready and not self.conns[r].poll():
-                    return r, f"the process exited with code {self.processes[r].exitcode}"
-        return None
+                        lost = "its connection closed"
+                if lost is None and r < len(self.processes) and self.processes[r].sentinel in ready \
+                        and not self.conns[r].poll():
+                    lost = f"the process exited with code {self.processes[r].exitcode}"
+                if lost is not None:
+                    return r, f"{lost} (then rank {reporting} failed: {cause.strip()})"
+        return reporting, cause
 
     def _recv(self, rank: int) -> tuple[str, Any]:
         try:
