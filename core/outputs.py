@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -37,33 +37,48 @@ def logprobs_entry(row: LogprobsRow, texts: list[str] | None = None) -> Logprobs
     return entry
 
 
-class FlatLogprobs(msgspec.Struct, array_like=True, eq=False, gc=False):
+class FlatLogprobs(msgspec.Struct, array_like=True, eq=False, dict=True):
     """A completion's logprobs as the rows they came in (vLLM's ``FlatLogprobs``), read as a
     list of entries: an entry's ``Logprob`` objects are built when it is read, not by the engine
     for every token of every step. Each read builds new objects; compares equal to a list of the
-    same entries."""
+    same entries.
+
+    So are its tokens' texts (``decoded_token``, when ``detokenize``): looked up when an entry is
+    read, by the ``token_texts`` of the process reading it (:meth:`decode_with`), so that neither
+    the engine's step nor the pipe from an engine process carries them."""
 
     rows: list[LogprobsRow] = []
-    texts: list[list[str] | None] = []  # per row, its tokens' texts (None: not detokenized)
+    detokenize: bool = False
 
-    def append(self, row: LogprobsRow, texts: list[str] | None = None) -> None:
+    def decode_with(self, token_texts: Callable[[list[int]], list[str]] | None) -> "FlatLogprobs":
+        """Read the entries' texts with ``token_texts`` (token ids to texts); returns self."""
+        self.token_texts = token_texts
+        return self
+
+    def append(self, row: LogprobsRow) -> None:
         self.rows.append(row)
-        self.texts.append(texts)
+
+    def _entry(self, row: LogprobsRow) -> LogprobsEntry:
+        token_texts = self.__dict__.get("token_texts") if self.detokenize else None
+        return logprobs_entry(row, None if token_texts is None else token_texts(row[0]))
+
+    def _with_rows(self, rows: list[LogprobsRow]) -> "FlatLogprobs":
+        return FlatLogprobs(rows, self.detokenize).decode_with(self.__dict__.get("token_texts"))
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, index: int | slice) -> Any:
         if isinstance(index, slice):
-            return FlatLogprobs(self.rows[index], self.texts[index])
-        return logprobs_entry(self.rows[index], self.texts[index])
+            return self._with_rows(self.rows[index])
+        return self._entry(self.rows[index])
 
     def __iter__(self) -> Iterator[LogprobsEntry]:
-        return map(logprobs_entry, self.rows, self.texts)
+        return map(self._entry, self.rows)
 
     def __add__(self, other: Sequence[LogprobsEntry]) -> Any:
         if isinstance(other, FlatLogprobs):
-            return FlatLogprobs(self.rows + other.rows, self.texts + other.texts)
+            return self._with_rows(self.rows + other.rows)
         return list(self) + list(other)
 
     def __radd__(self, other: Sequence[LogprobsEntry]) -> list:

@@ -163,6 +163,16 @@ def test_an_engine_process_gives_the_offline_outputs(engine_process, make_llm):
         assert all(o.prompt_token_ids == offline.prompt_token_ids for o in outputs)
 
 
+def test_an_engine_process_reports_logprobs_whose_texts_its_client_decodes(engine_process, make_llm):
+    params = greedy(5, logprobs=2)
+    expected = make_llm(num_kv_blocks=32).generate("Hello", params)[0].outputs[0].logprobs
+    _, _, outputs = asyncio.run(asyncio.wait_for(collect(engine_process, "Hello", params), 60))
+    streamed = [entry for output in outputs for entry in output.outputs[0].logprobs]
+    texts = [{token: lp.decoded_token for token, lp in entry.items()} for entry in streamed]
+    assert texts == [{token: lp.decoded_token for token, lp in entry.items()} for entry in expected]
+    assert [list(entry) for entry in streamed] == [list(entry) for entry in expected]
+
+
 def test_an_engine_process_refuses_bad_input_with_value_error(engine_process):
     with pytest.raises(ValueError, match="max_model_len"):
         asyncio.run(asyncio.wait_for(collect(engine_process, [5] * 10_000, greedy(4)), 30))

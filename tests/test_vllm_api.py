@@ -87,6 +87,14 @@ def test_detokenize_false_returns_tokens_without_text(llm):
     assert all(isinstance(v, Logprob) and v.decoded_token is None for entry in out.logprobs for v in entry.values())
 
 
+def test_logprobs_entries_carry_each_tokens_text_decoded_alone(llm):
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    tokenizer = llm.get_tokenizer()
+    assert len(out.logprobs) == 4
+    assert all(v.decoded_token == tokenizer.decode([t]) for entry in out.logprobs for t, v in entry.items())
+
+
 def test_truncate_prompt_tokens_keeps_the_prompt_end(llm):
     long = [7, 8, 9] + PROMPT
     out = llm.generate([long], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, truncate_prompt_tokens=5),

@@ -34,7 +34,7 @@ from hookllm.inputs import PromptType
 from hookllm.outputs import CompletionOutput, RequestOutput
 from hookllm.sampling_params import SamplingParams
 from hookllm.sched.scheduler import SchedulerStats
-from hookllm.tokenizer import load_tokenizer
+from hookllm.tokenizer import TokenTexts, load_tokenizer
 from hookllm.utils import shorten_gil_switch_interval
 
 
@@ -49,8 +49,8 @@ class EngineDeadError(RuntimeError):
 class _Stream(OutputStream):
     """A request's output queue, on its consumer's event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        super().__init__()
+    def __init__(self, loop: asyncio.AbstractEventLoop, token_texts: TokenTexts | None):
+        super().__init__(token_texts)
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
 
@@ -120,6 +120,7 @@ class AsyncLLM:
         shorten_gil_switch_interval()
         # Its own tokenizer: the engine's is busy (and not safe to share) on the engine's thread.
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
+        self.token_texts = TokenTexts(self.tokenizer) if self.tokenizer is not None else None  # logprobs' texts
         if self.hooks.context.tokenizer is None:  # this side's hooks (add_routes, render_content_part)
             self.hooks.context.tokenizer = self.tokenizer
 
@@ -178,7 +179,7 @@ class AsyncLLM:
         request_id = request_id or f"async-{next(self._ids)}"
         # Deltas never take text back: the engine holds back what a stop string may still cut.
         params = dataclasses.replace(params, output_kind="delta")
-        stream = _Stream(asyncio.get_running_loop())
+        stream = _Stream(asyncio.get_running_loop(), self.token_texts)
         added: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._stopped.is_set():

@@ -18,6 +18,7 @@ import msgspec
 from hookllm.outputs import CompletionOutput, FlatLogprobs, Logprob, RequestMetrics, RequestOutput
 from hookllm.sampling_params import SamplingParams
 from hookllm.sched.scheduler import SchedulerStats
+from hookllm.tokenizer import TokenTexts
 
 # Plain data without reference cycles: the garbage collector need not track them.
 STRUCT_OPTIONS = {"array_like": True, "gc": False}
@@ -121,17 +122,22 @@ def merge_deltas(first: OutputDelta, later: OutputDelta) -> OutputDelta:
 
 
 class OutputStream:
-    """The client's side of one request: puts its deltas back into ``RequestOutput``s."""
+    """The client's side of one request: puts its deltas back into ``RequestOutput``s, whose
+    logprobs' texts ``token_texts`` (the client's own) looks up when they are read."""
 
-    def __init__(self) -> None:
+    def __init__(self, token_texts: TokenTexts | None) -> None:
         self.head: PromptHead | None = None
+        self.token_texts = token_texts
 
     def unpack(self, delta: OutputDelta) -> RequestOutput:
         if delta.head is not None:
             self.head = delta.head
         head = self.head
-        return RequestOutput(delta.request_id, head.prompt, head.prompt_token_ids,
-                             [CompletionOutput(*msgspec.structs.astuple(c)) for c in delta.completions], delta.finished,
+        completions = [CompletionOutput(*msgspec.structs.astuple(c)) for c in delta.completions]
+        for completion in completions:
+            if completion.logprobs is not None:
+                completion.logprobs.decode_with(self.token_texts)
+        return RequestOutput(delta.request_id, head.prompt, head.prompt_token_ids, completions, delta.finished,
                              head.prompt_logprobs, delta.metrics, head.num_cached_tokens)
 
 

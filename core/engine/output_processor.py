@@ -77,7 +77,7 @@ class RequestState:
                  "sent_tokens", "finish_reason", "stop_reason", "num_cached_tokens", "stop_matcher")
 
     def __init__(self, request: EngineCoreRequest, parent: ParentRequest | None, tokenizer: Any | None,
-                 stop_automaton: StopStringAutomaton | None):
+                 stop_automaton: StopStringAutomaton | None, token_texts: TokenTexts | None):
         params = request.sampling_params
         self.request_id = request.request_id
         self.parent = parent
@@ -88,7 +88,9 @@ class RequestState:
                             if tokenizer is not None and params.detokenize else None)
         self.token_ids: list[int] = []
         self.text = ""
-        self.logprobs: FlatLogprobs | None = FlatLogprobs() if params.logprobs is not None else None
+        self.logprobs: FlatLogprobs | None = None
+        if params.logprobs is not None:  # texts looked up when read, with the engine's token_texts
+            self.logprobs = FlatLogprobs([], params.detokenize and token_texts is not None).decode_with(token_texts)
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         # The first prompt token has no logprob: nothing predicts it.
         self.prompt_logprobs: list[LogprobsEntry | None] | None = [None] if params.prompt_logprobs is not None else None
@@ -139,7 +141,8 @@ class OutputProcessor:
         stops = request.sampling_params.stop
         automaton = StopStringAutomaton(stops) if stops and self.tokenizer is not None else None
         for engine_request in engine_requests:
-            self.states[engine_request.request_id] = RequestState(engine_request, parent, self.tokenizer, automaton)
+            self.states[engine_request.request_id] = RequestState(engine_request, parent, self.tokenizer, automaton,
+                                                                  self.token_texts)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Forget the user's requests (unknown ids pass); returns the engine requests to abort."""
@@ -219,7 +222,7 @@ class OutputProcessor:
         metrics.last_token_time = now
         if logprobs is not None and state.logprobs is not None:
             row = logprobs[0]  # kept as it came: entries are built when read
-            state.logprobs.append(row, self._texts(row, state))
+            state.logprobs.append(row)
             state.cumulative_logprob += row[1][0]
         if state.detokenizer is None or state.finish_reason == "stop":
             return False  # no text, or a stop token ended it: a stop token adds no text
