@@ -39,10 +39,11 @@ def store_kv(
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
     for new, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
-        rows = to_fp8(new, scale) if cache.dtype == FP8_DTYPE else new.to(cache.dtype)
-        # Indexed writes have no float8 kernels: write the bytes.
-        cache.view(torch.uint8).view(num_blocks * block_size, num_kv_heads, -1).index_copy_(
-            0, slots, rows.view(torch.uint8))
+        if cache.dtype == FP8_DTYPE:  # indexed writes have no float8 kernels: write the bytes
+            cache, rows = cache.view(torch.uint8), to_fp8(new, scale).view(torch.uint8)
+        else:
+            rows = new.to(cache.dtype)
+        cache.view(num_blocks * block_size, num_kv_heads, -1).index_copy_(0, slots, rows)
 
 
 def paged_attention(
@@ -381,11 +382,17 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
     NeoX / HF "rotate half" layout; ``cos_sin`` is ``[max_position, head_dim]`` fp32, the cos
     half then the sin half. Computed in fp32, rounded to the input dtype.
     """
-    cos, sin = cos_sin[positions].chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    for x in (q, k):
-        x1, x2 = x.view(x.shape[0], -1, head_dim).float().chunk(2, dim=-1)
-        x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).view(x.shape))
+    cos, sin = cos_sin.index_select(0, positions)[:, None, :].chunk(2, dim=-1)
+    num_tokens, item = q.shape[0], q.element_size()
+    if k.data_ptr() == q.data_ptr() + q.shape[1] * item and q.stride() == k.stride() and q.stride(1) == 1:
+        # k's heads follow q's in each row (views of one fused projection): rotated as one tensor.
+        heads = (q.shape[1] + k.shape[1]) // head_dim
+        pairs = [q.as_strided((num_tokens, heads, head_dim), (q.stride(0), head_dim, 1))]
+    else:
+        pairs = [x.view(num_tokens, -1, head_dim) for x in (q, k)]
+    for x in pairs:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -449,6 +449,18 @@ def test_rotary_kernel_matches_reference_on_strided_views_of_fused_qkv(head_dim)
     assert torch.equal(got[:, q_size + kv_size:], qkv[:, q_size + kv_size:])  # v untouched
 
 
+def test_reference_rotary_of_fused_qkv_views_equals_rotating_q_and_k_apart():
+    gen = torch.Generator().manual_seed(4)
+    head_dim, q_size, kv_size = 8, 32, 16
+    qkv = torch.randn(5, q_size + 2 * kv_size, generator=gen)
+    positions, cos_sin = torch.tensor([0, 3, 4, 9, 2]), torch.randn(10, head_dim, generator=gen)
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)  # k's heads follow q's: rotated as one
+    apart_q, apart_k = q.clone(), k.clone()
+    reference.apply_rotary(positions, q, k, cos_sin, head_dim)
+    reference.apply_rotary(positions, apart_q, apart_k, cos_sin, head_dim)
+    assert torch.equal(q, apart_q) and torch.equal(k, apart_k)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_kernel_matches_reference(dtype):
     from hookllm.kernels import triton_ops
