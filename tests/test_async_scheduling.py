@@ -102,6 +102,82 @@ def test_a_logits_job_runs_while_the_engine_schedules_the_next_step(make_llm):
     assert len(probe.overlapped) >= 4 and all(probe.overlapped)
 
 
+class ReadyProbe:
+    """Records, per deferred job, on which thread ``tokens_ready`` ran and what happened before it."""
+
+    def __init__(self):
+        self.runner_thread = threading.get_ident()
+        self.events: list[tuple[str, int]] = []  # (event, job number)
+        self.lock = threading.Lock()
+
+    @hookimpl
+    def start_logits_job(self, batch):
+        if batch.previous is not None:
+            return ReadyJob(self, len(self.events))
+
+    def record(self, event: str, job: int) -> None:
+        with self.lock:
+            self.events.append((event, job))
+
+
+class ReadyJob:
+    def __init__(self, probe: ReadyProbe, number: int):
+        self.probe, self.number = probe, number
+
+    def tokens_ready(self):
+        self.probe.record("ready" if threading.get_ident() == self.probe.runner_thread else "ready elsewhere",
+                          self.number)
+
+    def run(self):
+        self.probe.record("run", self.number)
+
+    def apply(self, logits):
+        self.probe.record("apply", self.number)
+
+
+def test_a_logits_jobs_tokens_ready_runs_once_on_the_runners_thread_before_its_step_samples(make_llm):
+    llm = make_llm(async_scheduling=True)
+    probe = ReadyProbe()
+    llm.engine.hooks.pm.register(probe, name="ready-probe")
+    llm.generate([PROMPT, "The"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    jobs = {number for _, number in probe.events}
+    assert len(jobs) >= 4
+    for job in jobs:
+        events = [event for event, number in probe.events if number == job]
+        assert sorted(events) == ["apply", "ready", "run"]  # tokens_ready once, on the runner's thread
+        assert events[-1] == "apply"
+
+
+class FailingReady:
+    """A plugin whose deferred jobs fail in ``tokens_ready`` for requests asking it."""
+
+    @hookimpl
+    def start_logits_job(self, batch):
+        if batch.previous is not None and any(r.sampling_params.extra_args.get("explode")
+                                              for r in batch.sampling_requests):
+            return self
+
+    def tokens_ready(self):
+        raise RuntimeError("ready exploded")
+
+    def run(self):
+        pass
+
+    def apply(self, logits):
+        pass
+
+
+def test_a_failing_tokens_ready_fails_its_own_steps_call_and_the_llm_serves_again(make_llm):
+    llm = make_llm(async_scheduling=True)
+    expected = llm.generate(PROMPT, testing.greedy(6))[0].outputs[0].token_ids
+    llm.engine.hooks.pm.register(FailingReady(), name="failing-ready")
+    explode = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args={"explode": True})
+    with pytest.raises(RuntimeError, match="ready exploded"):
+        llm.generate([PROMPT, "The"], [testing.greedy(1), explode])
+    assert llm.generate(PROMPT, testing.greedy(6))[0].outputs[0].token_ids == expected
+    testing.assert_all_blocks_free(llm)
+
+
 class FailingJob:
     """A plugin whose logits job raises in deferred steps (a step in flight) of requests asking it."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import deque
 from copy import copy
 from dataclasses import dataclass, field
@@ -181,9 +182,10 @@ def _bitmask(engine: EngineState, rows: int, words: int) -> torch.Tensor:
 
 
 class MaskJob:
-    """One step's grammar masks (the plugin's ``LogitsJob``): ``run`` sends the constrained rows'
-    new tokens to the matcher process, off the main thread when a step is in flight; ``apply``
-    takes back their masks and masks those rows of the logits."""
+    """One step's grammar masks (the plugin's ``LogitsJob``): the constrained rows' new tokens go
+    to the matcher process as soon as the previous step's tokens are known (``tokens_ready``, on
+    the thread that read them, or ``run``, whichever comes first); ``apply`` takes back their
+    masks and masks those rows of the logits."""
 
     def __init__(self, batch: Batch, rows: list[int], engine: EngineState):
         self.batch = batch
@@ -191,17 +193,32 @@ class MaskJob:
         self.engine = engine
         self.in_flight: dict[str, int] = {}
         self.row_index: torch.Tensor | None = None  # ``rows`` as a host tensor, pinned on CUDA hosts
+        self._sending = threading.RLock()  # re-entered: reading the in-flight tokens may call tokens_ready
+        self._sent = False
+
+    def tokens_ready(self) -> None:
+        """The previous step's tokens were just read on the host: send now, so the process works
+        while the engine processes outputs and schedules (the job thread would get the GIL for
+        its message only when the main thread blocks)."""
+        self._send_once()
 
     def run(self) -> None:
-        """Send the step to the matcher process as soon as the previous step's tokens are known.
-        The reply is read in ``apply``: a thread waiting for it here would then wait again for
-        the GIL, which the main thread holds while it schedules."""
-        self.in_flight = self.batch.in_flight_token_ids()  # waits for the previous step alone
-        self.row_index = torch.tensor(self.rows, pin_memory=torch.cuda.is_available())
-        try:
-            self._send()
-        except MatcherProcessExited as exc:
-            self._restart(exc)
+        """Send the step, if ``tokens_ready`` has not. The reply is read in ``apply``: a thread
+        waiting for it here would then wait again for the GIL, which the main thread holds while
+        it schedules."""
+        self._send_once()
+
+    def _send_once(self) -> None:
+        with self._sending:
+            if self._sent:
+                return
+            self._sent = True
+            self.in_flight = self.batch.in_flight_token_ids()  # waits for the previous step alone
+            self.row_index = torch.tensor(self.rows, pin_memory=torch.cuda.is_available())
+            try:
+                self._send()
+            except MatcherProcessExited as exc:
+                self._restart(exc)
 
     def apply(self, logits: torch.Tensor) -> None:
         engine = self.engine

@@ -88,6 +88,14 @@ class LogitsJob(Protocol):
         Spend the time in code that releases the GIL (Rust, C), or the main thread waits for it.
         """
 
+    def tokens_ready(self) -> None:
+        """Optional (a job without it is only ``run``): called when the previous step's tokens
+        reach the host, on the thread that read them (the engine's main thread in-process),
+        before or while ``run`` runs. A job that hands its work to another process sends it here,
+        so that work overlaps the engine's output processing and scheduling; ``run`` must then
+        not send it again (whichever comes first does). An error is raised when the step samples.
+        """
+
     def apply(self, logits: torch.Tensor) -> None:
         """On the main thread, once ``run`` returned: change ``logits`` (``[num_sampling_rows,
         vocab]``) in place with device operations, before ``process_logits`` and ``sample``."""

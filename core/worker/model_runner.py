@@ -94,6 +94,7 @@ class StepOutput:
                                  for request_id, parts in (prompt_logprobs or {}).items()}
         self._deferred = deferred
         self._device = device
+        self._when_resolved: list[Callable[[], None]] = []  # called once, when the tokens reach the host
         if sampled is not None:
             self._copy_to_host(sampled)
 
@@ -132,11 +133,18 @@ class StepOutput:
         self.finish()
         return self._device_sampled
 
+    def when_resolved(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once this step's tokens are read on the host (``token_ids``)."""
+        self._when_resolved.append(callback)
+
     def token_ids(self) -> list[int]:
         """The sampled token ids, waiting for this step only if it is still running."""
         self.finish()
         if self._done is not None:
             self._done.synchronize()
+        callbacks, self._when_resolved = self._when_resolved, []
+        for callback in callbacks:
+            callback()
         return self._sampled.tolist()
 
     def row_of(self, request_id: str) -> int:
@@ -373,9 +381,12 @@ class ModelRunner:
         jobs: list[LogitsJob] = self.hooks.hook.start_logits_job(batch=batch, context=self.hooks.context)
         request_ids = [r.request_id for r in batch.sampling_requests]
         if jobs and previous is not None:
+            early_errors: list[Exception] = []
+            previous.when_resolved(partial(_tokens_ready, jobs, early_errors))
             running = self._job_thread().submit(_run_jobs, jobs)
             return StepOutput(request_ids, prompt_logprobs=prompt_logprobs, device=self.device,
-                              deferred=partial(self._sample_after_jobs, running, logits, batch, adjusted, jobs))
+                              deferred=partial(self._sample_after_jobs, running, early_errors, logits, batch, adjusted,
+                                               jobs))
         _run_jobs(jobs)
         return StepOutput(request_ids, self._sample(logits, batch, adjusted, jobs), prompt_logprobs)
 
@@ -386,13 +397,16 @@ class ModelRunner:
         return self.job_thread
 
     @torch.inference_mode()
-    def _sample_after_jobs(self, running: Future[None], logits: torch.Tensor, batch: Batch,
-                           adjusted: AdjustedRows | None, jobs: list[LogitsJob]) -> SampledTokens:
+    def _sample_after_jobs(self, running: Future[None], early_errors: list[Exception], logits: torch.Tensor,
+                           batch: Batch, adjusted: AdjustedRows | None, jobs: list[LogitsJob]) -> SampledTokens:
         """A deferred step's sampling, when the step is finished: its jobs ran in the background
-        thread from its launch, while the main thread processed the previous step's outputs and
-        scheduled the next; this waits for them, then samples as an inline step does. Nothing
-        the hooks read changed in between, so the tokens are the same."""
+        thread from its launch (and ``tokens_ready`` when the previous step's tokens were read),
+        while the main thread processed the previous step's outputs and scheduled the next; this
+        waits for them, then samples as an inline step does. Nothing the hooks read changed in
+        between, so the tokens are the same."""
         running.result()
+        if early_errors:
+            raise early_errors[0]
         return self._sample(logits, batch, adjusted, jobs)
 
     def _sample(self, logits: torch.Tensor, batch: Batch, adjusted: AdjustedRows | None,
@@ -477,6 +491,18 @@ def _aligned_planes(slot_mapping: np.ndarray, block_tables: np.ndarray) -> tuple
     padded_tables = np.zeros((groups, num_seqs, -(-max_blocks // 4) * 4), dtype=block_tables.dtype)
     padded_tables[:, :, :max_blocks] = block_tables
     return padded_slots, padded_tables
+
+
+def _tokens_ready(jobs: list[LogitsJob], errors: list[Exception]) -> None:
+    """The previous step's tokens are on the host: jobs that can start their work now do; an
+    error waits for the deferred step's sampling (the previous step is not the one that failed)."""
+    for job in jobs:
+        ready = getattr(job, "tokens_ready", None)
+        if ready is not None:
+            try:
+                ready()
+            except Exception as exc:  # noqa: BLE001 - raised by the step whose job it is
+                errors.append(exc)
 
 
 @torch.inference_mode()  # in the job thread too: inference mode is per thread
