@@ -77,8 +77,9 @@ def checkpoint_with_tokenizer(args) -> Path:
 class MaskTimer:
     """Per constrained step, the host times of the structured plugin's job:
 
-    - ``send``: ``MaskJob.run`` less its wait for the previous step's tokens (building and
-      sending the matcher process's message; in the job thread for a deferred step);
+    - ``send``: building and sending the matcher process's message (``MaskJob._send``: on the
+      main thread when the previous step's tokens are read, ``tokens_ready``, or in the job
+      thread's ``run``, whichever comes first);
     - ``main_wait``: for a deferred step, how long the main thread waited for that ``run`` when
       it finished the step (from ``StepOutput.finish`` to ``MaskJob.apply``);
     - ``apply``: ``MaskJob.apply`` on the main thread: reading the process's reply (waiting for it
@@ -88,30 +89,20 @@ class MaskTimer:
     """
 
     def __init__(self):
-        from hookllm.worker.batch import Batch
         from hookllm.worker.model_runner import StepOutput
         from hookllm.bundled.structured import backend
 
         self.reset()
-        run, apply, in_flight, finish = backend.MaskJob.run, backend.MaskJob.apply, Batch.in_flight_token_ids, \
-            StepOutput.finish
+        send_job, apply, finish = backend.MaskJob._send, backend.MaskJob.apply, StepOutput.finish
         send, receive = backend.MatcherProcess.send_step, backend.MatcherProcess.receive_step
-        job_thread = threading.local()  # the token wait of the job running in this thread
         finishing: list[float] = []  # when the main thread started finishing a deferred step
         sent: list[float] = []  # when the step in flight was sent
 
-        def timed_run(job):
-            job_thread.token_wait = 0.0
+        def timed_send_job(job):
             start = time.perf_counter()
-            run(job)
-            self.sends.append(time.perf_counter() - start - job_thread.token_wait)
+            send_job(job)
+            self.sends.append(time.perf_counter() - start)
             self.rows.append(len(job.rows))
-
-        def timed_in_flight(batch):
-            start = time.perf_counter()
-            result = in_flight(batch)
-            job_thread.token_wait = getattr(job_thread, "token_wait", 0.0) + time.perf_counter() - start
-            return result
 
         def timed_finish(step):
             if not step.is_deferred:
@@ -139,9 +130,9 @@ class MaskTimer:
             self.process_steps.append(process.last_step_seconds)
             return result
 
-        backend.MaskJob.run, backend.MaskJob.apply = timed_run, timed_apply
+        backend.MaskJob._send, backend.MaskJob.apply = timed_send_job, timed_apply
         backend.MatcherProcess.send_step, backend.MatcherProcess.receive_step = timed_send, timed_receive
-        Batch.in_flight_token_ids, StepOutput.finish = timed_in_flight, timed_finish
+        StepOutput.finish = timed_finish
 
     def reset(self) -> None:
         self.sends: list[float] = []
@@ -249,7 +240,7 @@ def main() -> None:
           f"{c['main_wait_ms_per_deferred_step_mean']:>8.3f}{c['apply_ms_per_step_mean']:>8.3f}"
           f"{c['round_trip_ms_per_step_mean']:>12.3f}{c['process_ms_per_step_mean']:>9.3f}"
           f"{c['deferred_steps']:>6}/{c['steps']:<4}{c['constrained_rows_per_step_mean']:>11.1f}")
-    print("(ms per constrained step: send = the job's run, in its thread; wait = the main thread waiting for it;"
+    print("(ms per constrained step: send = building and sending the step's message; wait = the main thread waiting for the job's run;"
           " apply = the main thread reading the reply and masking; process = the matcher process's work)")
     print(f"throughput ratio constrained / unconstrained: {ratio:.3f} (goal >= 0.90)")
 
