@@ -240,8 +240,9 @@ def main() -> None:
           f"{c['main_wait_ms_per_deferred_step_mean']:>8.3f}{c['apply_ms_per_step_mean']:>8.3f}"
           f"{c['round_trip_ms_per_step_mean']:>12.3f}{c['process_ms_per_step_mean']:>9.3f}"
           f"{c['deferred_steps']:>6}/{c['steps']:<4}{c['constrained_rows_per_step_mean']:>11.1f}")
-    print("(ms per constrained step: send = building and sending the step's message; wait = the main thread waiting for the job's run;"
-          " apply = the main thread reading the reply and masking; process = the matcher process's work)")
+    print("(ms per constrained step: send = building and sending the step's message; wait = the main thread"
+          " waiting for the job's run; apply = the main thread reading the reply and masking; process = the"
+          " matcher process's work)")
     print(f"throughput ratio constrained / unconstrained: {ratio:.3f} (goal >= 0.90)")
 
 
