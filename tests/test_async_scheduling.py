@@ -148,8 +148,12 @@ def test_a_logits_jobs_tokens_ready_runs_once_on_the_runners_thread_before_its_s
         assert events[-1] == "apply"
 
 
-class FailingReady:
-    """A plugin whose deferred jobs fail in ``tokens_ready`` for requests asking it."""
+class FailingJob:
+    """A plugin whose logits job raises in deferred steps (a step in flight) of requests asking
+    it, in ``run`` or in ``tokens_ready`` (``where``)."""
+
+    def __init__(self, where: str):
+        self.where = where
 
     @hookimpl
     def start_logits_job(self, batch):
@@ -158,46 +162,22 @@ class FailingReady:
             return self
 
     def tokens_ready(self):
-        raise RuntimeError("ready exploded")
+        if self.where == "tokens_ready":
+            raise RuntimeError("job exploded")
 
     def run(self):
-        pass
+        if self.where == "run":
+            raise RuntimeError("job exploded")
 
     def apply(self, logits):
         pass
 
 
-def test_a_failing_tokens_ready_fails_its_own_steps_call_and_the_llm_serves_again(make_llm):
+@pytest.mark.parametrize("where", ["run", "tokens_ready"])
+def test_a_failing_deferred_step_fails_its_call_and_the_llm_serves_again(make_llm, where):
     llm = make_llm(async_scheduling=True)
     expected = llm.generate(PROMPT, testing.greedy(6))[0].outputs[0].token_ids
-    llm.engine.hooks.pm.register(FailingReady(), name="failing-ready")
-    explode = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args={"explode": True})
-    with pytest.raises(RuntimeError, match="ready exploded"):
-        llm.generate([PROMPT, "The"], [testing.greedy(1), explode])
-    assert llm.generate(PROMPT, testing.greedy(6))[0].outputs[0].token_ids == expected
-    testing.assert_all_blocks_free(llm)
-
-
-class FailingJob:
-    """A plugin whose logits job raises in deferred steps (a step in flight) of requests asking it."""
-
-    @hookimpl
-    def start_logits_job(self, batch):
-        if batch.previous is not None and any(r.sampling_params.extra_args.get("explode")
-                                              for r in batch.sampling_requests):
-            return self
-
-    def run(self):
-        raise RuntimeError("job exploded")
-
-    def apply(self, logits):
-        pass
-
-
-def test_a_failing_deferred_step_fails_its_call_and_the_llm_serves_again(make_llm):
-    llm = make_llm(async_scheduling=True)
-    expected = llm.generate(PROMPT, testing.greedy(6))[0].outputs[0].token_ids
-    llm.engine.hooks.pm.register(FailingJob(), name="failing")
+    llm.engine.hooks.pm.register(FailingJob(where), name="failing")
     explode = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args={"explode": True})
     with pytest.raises(RuntimeError, match="job exploded"):
         # The first request finishes just before the failure: the runner must still hear of it.
