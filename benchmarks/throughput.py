@@ -11,9 +11,9 @@ Workload short: the same recipe with 2,048 requests and lengths randint(32, 320)
 Workload B: requests arrive by a Poisson process at --rate req/s; time to first token and time
 per output token, p50 and p99.
 
-Workload latency: one request alone, a 3,000-token prompt and 256 greedy output tokens
-(ignore_eos), ``--repeat`` times (default 5); time to first token and time per output token
-from the request's metrics.
+Workload latency: one request alone, a 3,000-token prompt and 256 output tokens, greedy unless
+sampling options are given (ignore_eos), ``--repeat`` times (default 5); time to first token and
+time per output token from the request's metrics.
 
 Sampling: temperature 0.6, plus ``--top-p``, ``--top-k``, ``--min-p``, the penalties and ``--n``
 when given (``--n k``: k completions of each prompt, every one's tokens counted; no peers then).
@@ -351,7 +351,7 @@ def run_batch1_latency(path: Path, prompt: list[int], args) -> dict:
     from hookllm import SamplingParams
 
     llm, startup = start_llm(path, args, 4096)
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=LATENCY_OUTPUT_TOKENS)
+    params = SamplingParams(**latency_sampling(args), ignore_eos=True, max_tokens=LATENCY_OUTPUT_TOKENS)
     calls = []
     for i in range(args.repeat):
         llm.reset_prefix_cache()  # the same prompt each call: no call may find it cached
@@ -559,6 +559,13 @@ def run_throughput(path: Path, config: dict, weight_bytes: int, payload: dict, a
         print("latency:", {k: round(v, 2) for k, v in ours["latency"].items()})
 
 
+def latency_sampling(args) -> dict:
+    """The latency workload's sampling: greedy, unless sampling options are given (then
+    temperature 0.6 and those, as the throughput workloads sample)."""
+    chosen = sampling(args)
+    return chosen if len(chosen) > 1 else {"temperature": 0.0}
+
+
 def run_latency_workload(path: Path, config: dict, weight_bytes: int, payload: dict, args) -> None:
     """Workload latency: batch-1 TTFT and TPOT beside their limits."""
     prompt = [t % config["vocab_size"] for t in latency_prompt()]
@@ -566,10 +573,10 @@ def run_latency_workload(path: Path, config: dict, weight_bytes: int, payload: d
     limits, bf16 = latency_limits(limit), latency_limits(physical_limit(config, [prompt], [LATENCY_OUTPUT_TOKENS],
                                                                          weight_bytes))
     payload.update(workload=f"latency: one request, {LATENCY_PROMPT_TOKENS}-token prompt, {LATENCY_OUTPUT_TOKENS} "
-                            f"greedy output tokens, ignore_eos, {args.repeat} calls",
+                            f"output tokens ({latency_sampling(args)}), ignore_eos, {args.repeat} calls",
                    limits=limits, limits_bf16=bf16, limit_inputs=limit)
     payload["results"] = row = run_batch1_latency(path, prompt, args)
-    write_result(f"latency-{payload['model']}{precision_suffix(args)}", payload, args.out)
+    write_result(f"latency-{payload['model']}{precision_suffix(args)}{sampling_suffix(args)}", payload, args.out)
     print(f"\n{payload['model']} on {payload['device']} ({payload['commit']}), {payload['workload']}")
     print(f"{'':<26}{'measured p50':>14}{'limit':>10}{'share':>8}{'bf16 limit':>12}")
     for key, label in (("ttft_ms", "time to first token"), ("tpot_ms", "time per output token")):
