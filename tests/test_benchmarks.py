@@ -140,6 +140,13 @@ def test_sampling_options_reach_every_request_and_name_the_result(throughput):
     assert throughput.sampling_suffix(Namespace()) == ""
 
 
+def test_the_latency_workload_is_greedy_unless_sampling_options_are_given(throughput):
+    from argparse import Namespace
+
+    assert throughput.latency_sampling(Namespace()) == {"temperature": 0.0}
+    assert throughput.latency_sampling(Namespace(top_p=0.9)) == {"temperature": 0.6, "top_p": 0.9}
+
+
 def test_n_completions_count_as_that_many_sequences(throughput):
     from argparse import Namespace
 
