@@ -86,9 +86,11 @@ def paged_attention(
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    # One sequence owning every row (a CPU's batch 1): its rows are the output, no copy into one.
+    alone = len(lens) == 1 and starts == [0, num_tokens]
+    out = None if alone else torch.empty_like(query)
     for i, seq_len in enumerate(lens):
         q_start, q_end = starts[i], starts[i + 1]
         q_len = q_end - q_start
@@ -109,8 +111,8 @@ def paged_attention(
                 hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
         if softcap is None and sinks is None:
             # torch's fused attention (GQA without repeating the keys): the CPU's attention path.
-            attended = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, enable_gqa=True,
-                                                      attn_mask=None if hidden is None else ~hidden)[0]
+            attended = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True,
+                                                      attn_mask=None if hidden is None else ~hidden)
         else:
             k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # [H, keys, D]
             scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q_len, keys]
@@ -119,8 +121,11 @@ def paged_attention(
             if hidden is not None:
                 scores.masked_fill_(hidden, float("-inf"))
             attended = torch.matmul(_softmax_with_sinks(scores, sinks), v)
-        out[q_start:q_end] = attended.transpose(0, 1).to(query.dtype)
-    return out
+        rows = attended.transpose(0, 1).to(query.dtype)
+        if alone:
+            return rows.contiguous()
+        out[q_start:q_end] = rows
+    return torch.empty_like(query) if alone else out
 
 
 def _gather_keys(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, first: int,
