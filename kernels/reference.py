@@ -89,7 +89,7 @@ def paged_attention(
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     # One sequence owning every row (a CPU's batch 1): its rows are the output, no copy into one.
-    alone = len(lens) == 1 and starts == [0, num_tokens]
+    alone = len(lens) == 1 and starts == [0, num_tokens] and num_tokens > 0
     out = None if alone else torch.empty_like(query)
     for i, seq_len in enumerate(lens):
         q_start, q_end = starts[i], starts[i + 1]
@@ -125,7 +125,7 @@ def paged_attention(
         if alone:
             return rows.contiguous()
         out[q_start:q_end] = rows
-    return torch.empty_like(query) if alone else out
+    return out
 
 
 def _gather_keys(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, first: int,
