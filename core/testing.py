@@ -94,7 +94,7 @@ def forward_chunk(engine: Any, request: Request, count: int, logits: bool = Fals
     new = ([NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params, request.mm_items)]
            if request.num_computed_tokens == 0 else [])
     step = SchedulerOutput(new, [request.request_id], [count], [request.num_computed_tokens], [[]], [],
-                           block_manager.block_tables([request]))
+                           block_manager.take_block_updates([request]))
     # The last rank's: the last pipeline stage holds the head (every rank of it has all logits).
     output = engine.engine_core.executor.collective_rpc(_forward_on_worker, (step, logits))[-1]
     request.num_computed_tokens += count

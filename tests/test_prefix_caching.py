@@ -79,10 +79,10 @@ def test_a_shared_block_is_written_only_while_its_one_writer_fills_it(make_llm):
     def checking():
         batch = original()
         writers: dict[int, str] = {}
-        for request_id, start, count, row in zip(batch.request_ids, batch.num_computed_tokens,
-                                                 batch.num_scheduled_tokens, batch.block_tables[0]):
+        for request_id, start, count in zip(batch.request_ids, batch.num_computed_tokens, batch.num_scheduled_tokens):
+            row = manager.block_ids(scheduler.requests[request_id])[0]
             for index in range(start // 16, (start + count - 1) // 16 + 1):
-                block = manager.blocks[int(row[index])]
+                block = manager.blocks[row[index]]
                 assert writers.setdefault(block.block_id, request_id) == request_id, "two writers of one block"
                 # Shared while written only if it becomes a cached full block this very step
                 # (a later request of the same step reads it after the forward writes it).

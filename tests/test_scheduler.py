@@ -23,20 +23,46 @@ def test_allocation_rounds_up_to_whole_blocks():
     assert manager.num_free_blocks == 10 and manager.block_ids(r) == []
 
 
-def test_block_tables_mirror_block_ids_and_free_rows_are_reused():
+def updates_as_lists(updates) -> list[tuple[int, int, list[list[int]]]]:
+    return [(index, first, ids.tolist()) for index, first, ids in updates]
+
+
+def test_block_updates_send_a_whole_table_once_then_only_the_blocks_taken_since():
     manager = BlockManager(num_blocks=40, block_size=16)
     a, b = _request("a", 20), _request("b", 100)
     manager.allocate_slots(a, 20)
     manager.allocate_slots(b, 100)
+    assert updates_as_lists(manager.take_block_updates([b, a])) == [(0, 0, manager.block_ids(b)),
+                                                                    (1, 0, manager.block_ids(a))]
+    assert manager.take_block_updates([b, a]) == []  # nothing changed
     a.num_computed_tokens = 20
-    manager.allocate_slots(a, 20)  # grows a's row in place
-    assert manager.block_tables([b, a]).tolist() == [[manager.block_ids(b)[0], manager.block_ids(a)[0] + [0] * 4]]
+    manager.allocate_slots(a, 20)  # grows a's row in place: one more block
+    assert updates_as_lists(manager.take_block_updates([b, a])) == [(1, 2, [manager.block_ids(a)[0][2:]])]
+
+
+def test_block_updates_start_over_for_a_reused_row():
+    manager = BlockManager(num_blocks=40, block_size=16)
+    a = _request("a", 40)
+    manager.allocate_slots(a, 40)
+    manager.take_block_updates([a])
     row = a.block_table_row
     manager.free(a)
     c = _request("c", 5)
     manager.allocate_slots(c, 5)
     assert c.block_table_row == row
-    assert manager.block_tables([c]).tolist() == [manager.block_ids(c)]
+    assert updates_as_lists(manager.take_block_updates([c])) == [(0, 0, manager.block_ids(c))]
+
+
+def test_block_updates_resend_a_table_from_a_block_copied_on_write():
+    manager = BlockManager(num_blocks=40, block_size=16)
+    parent, child = _request("parent", 20), _request("child", 20)
+    manager.allocate_slots(parent, 20)
+    parent.num_computed_tokens = child.num_computed_tokens = 20
+    manager.fork(parent, child)
+    manager.take_block_updates([parent, child])
+    # The child writes into the shared second block: it gets a copy of it, which the runner must read.
+    assert manager.allocate_slots(child, 1) and manager.take_copies()
+    assert updates_as_lists(manager.take_block_updates([parent, child])) == [(1, 1, [manager.block_ids(child)[0][1:]])]
 
 
 def test_allocation_fails_without_side_effects_when_blocks_run_out():

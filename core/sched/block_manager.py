@@ -93,11 +93,13 @@ class BlockManager:
         # blocks entering and leaving the prefix cache are recorded here until take_kv_events.
         # Disabled, the cost is one test per block cached or evicted.
         self.kv_events: list[KVCacheEvent] | None = None
-        # The one store of block ids: each request holding blocks owns a row (request.block_table_row)
-        # in every group's plane, its first row_widths[row] entries in use, so a step's block
-        # tables are one numpy gather.
+        # The scheduler's store of block ids: each request holding blocks owns a row
+        # (request.block_table_row) in every group's plane, its first row_widths[row] entries in use.
         self._set_table(np.zeros((len(self.group_windows), 0, 0), dtype=np.int32))
         self.row_widths: list[int] = []
+        # Per row, how many leading entries the model runner holds as they are: a step sends it
+        # only the entries from there on (take_block_updates), not whole tables.
+        self.row_synced: list[int] = []
         self.free_rows: list[int] = []
 
     @property
@@ -362,6 +364,7 @@ class BlockManager:
                     self._release(block_ids[i])
                     i -= 1
                 self.table[group, row, i + 1:end] = self.null_block
+                self.row_synced[row] = min(self.row_synced[row], i + 1)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Let ``child`` share every block ``parent`` holds (it continues the parent's tokens)."""
@@ -410,15 +413,25 @@ class BlockManager:
         row, width = request.block_table_row, len(tables[0])
         self._fit_columns(width)
         self.row_widths[row] = width
+        self.row_synced[row] = min(self.row_synced[row], first)
         for group, block_ids in enumerate(tables):
             self.table[group, row, first:width] = block_ids[first:]
 
-    def block_tables(self, requests: list[Request]) -> np.ndarray:
-        """``[num groups, len(requests), max blocks among them]`` int32: each group's table of
-        each request, 0-padded."""
-        rows = [r.block_table_row for r in requests]
-        width = max((self.row_widths[row] for row in rows), default=0)
-        return self.table[:, rows, :width]
+    def take_block_updates(self, requests: list[Request]) -> list[tuple[int, int, np.ndarray]]:
+        """What the model runner lacks of these requests' tables, as ``(index in requests, first
+        column, [num groups, n] block ids)``: the entries from the first one the runner does not
+        hold as it is (0: the whole table, for a request new to it, resumed or forked) to the
+        table's end. The usual decode step sends a row only when it took a new block. The runner
+        holds them from now on."""
+        updates = []
+        widths, synced = self.row_widths, self.row_synced
+        for index, request in enumerate(requests):
+            row = request.block_table_row
+            first = synced[row]
+            if first < widths[row]:
+                updates.append((index, first, self.table[:, row, first:widths[row]].copy()))
+                synced[row] = widths[row]
+        return updates
 
     def _set_table(self, table: np.ndarray) -> None:
         self.table = table
@@ -432,6 +445,7 @@ class BlockManager:
             grown[:, :rows] = self.table
             self._set_table(grown)
             self.row_widths += [0] * (grown.shape[1] - rows)
+            self.row_synced += [0] * (grown.shape[1] - rows)
             self.free_rows = list(range(grown.shape[1] - 1, rows - 1, -1))
         return self.free_rows.pop()
 
@@ -455,6 +469,7 @@ class BlockManager:
         if row is not None:
             self.table[:, row] = 0
             self.row_widths[row] = 0
+            self.row_synced[row] = 0
             self.free_rows.append(row)
             request.block_table_row = None
 

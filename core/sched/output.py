@@ -2,8 +2,9 @@
 
 vLLM v1's shape: a request's prompt, sampling parameters and multimodal inputs cross once, the
 first time it is scheduled; after that a step carries only ids, token counts, the output tokens
-the runner has not been sent yet, and block-table rows. Everything pickles, so a runner in
-another process rebuilds the step from this alone.
+the runner has not been sent yet, and the block ids its tables lack (a new block every
+``block_size`` tokens, not whole tables). Everything pickles, so a runner in another process
+rebuilds the step from this alone.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ class SchedulerOutput:
     num_computed_tokens: list[int]  # each request's computed tokens before this step
     new_token_ids: list[list[int]]  # output tokens each request has that the runner was not sent
     sampling_rows: list[int]  # indices into request_ids of the requests that sample this step
-    # Each KV cache group's block table of each scheduled request (hookllm.worker.kv_cache_groups).
-    block_tables: np.ndarray  # [num groups, num scheduled, max blocks] int32
+    # What the runner's block tables lack (hookllm.worker.input_batch): (index into request_ids,
+    # first column, [num groups, n] int32 block ids), the request's tables from that column to
+    # their end in every KV cache group (hookllm.worker.kv_cache_groups); column 0 replaces them.
+    block_updates: list[tuple[int, int, np.ndarray]]
     # (source, destination) KV blocks to copy before the step runs: copy-on-write of shared blocks.
     # A block id names the same rows of every cache tensor in every group, so a pair is group-free.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
@@ -49,8 +52,7 @@ class SchedulerOutput:
 
     @classmethod
     def empty(cls, finished_request_ids: list[str] | None = None) -> "SchedulerOutput":
-        return cls([], [], [], [], [], [], np.zeros((0, 0, 0), dtype=np.int32),
-                   finished_request_ids=finished_request_ids or [])
+        return cls([], [], [], [], [], [], [], finished_request_ids=finished_request_ids or [])
 
     @property
     def sampling_request_ids(self) -> list[str]:

@@ -255,7 +255,7 @@ class Scheduler:
             num_computed_tokens=computed,
             new_token_ids=new_token_ids,
             sampling_rows=sampling_rows,
-            block_tables=self.block_manager.block_tables(scheduled),
+            block_updates=self.block_manager.take_block_updates(scheduled),
             block_copies=self.block_manager.take_copies(),
             finished_request_ids=finished,
             preempted_request_ids=[r.request_id for r in preempted],

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from hookllm.sched.request import MultiModalItem
@@ -61,6 +62,10 @@ class Batch:
     sampling_positions: list[int]
     generator: torch.Generator  # the engine's generator, for requests without a seed
     previous: "StepOutput | None" = None  # the step still on the device, whose tokens are in flight
+    # Each request's row in the runner's persistent batch (hookllm.worker.input_batch), int64.
+    rows: np.ndarray | None = None
+    # The sampling requests' ``sampler_row``s as the persistent batch keeps them, [5, rows] float32.
+    sampler_table: np.ndarray | None = None
 
     def in_flight_token_ids(self) -> dict[str, int]:
         """The token each request sampled in the previous step, by request id: with async

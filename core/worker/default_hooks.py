@@ -32,4 +32,5 @@ def load_model(device: torch.device, dtype: torch.dtype, context: EngineContext)
 
 @hookimpl(trylast=True)
 def sample(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-    return sampler.sample(logits, batch.sampling_requests, batch.generator, batch.sampling_positions)
+    return sampler.sample(logits, batch.sampling_requests, batch.generator, batch.sampling_positions,
+                          batch.sampler_table)

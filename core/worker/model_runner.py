@@ -2,7 +2,9 @@
 
 The runner keeps a :class:`hookllm.worker.batch.CachedRequestState` per request, rebuilt from the snapshots
 alone: a request's prompt and sampling parameters arrive once, then each step's counts and the
-output tokens it was not sent yet. The per-step path: build inputs on the host in bulk (numpy),
+output tokens it was not sent yet; a running request also has a row of the persistent batch
+(:mod:`hookllm.worker.input_batch`: block tables, sampler parameters), to which a step applies
+only the block ids the tables lack. The per-step path: build inputs on the host in bulk (numpy),
 copy them once, merge a multimodal model's item embeddings (:mod:`hookllm.multimodal.encoder_cache`),
 let plugins adjust them (``prepare_inputs``), run the model under the attention
 metadata, compute logits only for rows that sample, then ``process_logits`` and ``sample``. The
@@ -32,6 +34,7 @@ from hookllm.plugins.contract import is_multimodal
 from hookllm.worker.batch import Batch, LogitsJob, CachedRequestState
 from hookllm.worker.cuda_graph import CudaGraphRunner
 from hookllm.worker.forward_context import AttentionMetadata, set_forward_context
+from hookllm.worker.input_batch import InputBatch
 from hookllm.outputs import LogprobsRow
 from hookllm.worker.penalties import AdjustedRows, LogitsAdjuster
 from hookllm.worker.pipeline_stage import PipelineStage
@@ -193,7 +196,7 @@ class SamplerContractError(RuntimeError):
 
 class ModelRunner:
     def __init__(self, model: nn.Module, hooks: ActiveHooks, device: torch.device, block_size: int,
-                 attention_backend: ModuleType, seed: int):
+                 attention_backend: ModuleType, seed: int, input_batch: InputBatch):
         self.model = model
         self.hooks = hooks
         self.device = device
@@ -203,6 +206,7 @@ class ModelRunner:
         self.stage: PipelineStage | None = None  # set by the worker under pipeline parallelism
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = input_batch  # the rows of the requests the runner has run and may run next
         # Penalties, logit bias, allowed tokens, bad words: device state for the requests using them.
         self.logits_adjuster = LogitsAdjuster(device)
         # Requests whose prompt logprobs are not all computed yet: the first prompt position whose
@@ -213,8 +217,12 @@ class ModelRunner:
         self.encoder = EncoderRunner(model) if is_multimodal(type(model)) else None
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
-        """Drop finished requests, add new ones, and apply the step's counts and new tokens."""
+        """Drop finished requests, add new ones, and apply the step's counts and new tokens.
+        Finished and preempted requests give their rows back."""
+        for request_id in scheduler_output.preempted_request_ids:
+            self.input_batch.remove(request_id)
         for request_id in scheduler_output.finished_request_ids:
+            self.input_batch.remove(request_id)
             state = self.requests.pop(request_id, None)
             if state is not None:
                 self.hooks.hook.worker_request_finished(request=state, model=self.model, context=self.hooks.context)
@@ -238,9 +246,11 @@ class ModelRunner:
     def make_batch(self, scheduler_output: SchedulerOutput, previous: StepOutput | None) -> Batch:
         requests = [self.requests[request_id] for request_id in scheduler_output.request_ids]
         counts = scheduler_output.num_scheduled_tokens
-        rows = scheduler_output.sampling_rows
-        return Batch(requests, counts, [requests[row] for row in rows],
-                     [requests[row].num_computed_tokens + counts[row] for row in rows], self.generator, previous)
+        sampling = scheduler_output.sampling_rows
+        rows = self.input_batch.rows(requests)
+        return Batch(requests, counts, [requests[row] for row in sampling],
+                     [requests[row].num_computed_tokens + counts[row] for row in sampling], self.generator, previous,
+                     rows, self.input_batch.sampler_table[:, rows[sampling]])
 
     def build_inputs(self, batch: Batch, scheduler_output: SchedulerOutput) -> ModelInputs:
         requests, counts_list = batch.requests, batch.num_scheduled_tokens
@@ -277,21 +287,25 @@ class ModelRunner:
         seq_lens = starts + counts
         # positions: for each request, start .. start + count - 1, laid out flat.
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start[:-1] - starts, counts)
-        block_tables = scheduler_output.block_tables
-        num_groups, _, max_blocks = block_tables.shape
-        token_rows = np.repeat(np.arange(num_seqs), counts)
-        # [num_groups, num_tokens]: every group's slots in one gather.
+        input_batch = self.input_batch
+        table_updates = input_batch.update_block_tables(batch.rows, scheduler_output.block_updates)
+        width = int(input_batch.num_blocks[batch.rows].max())
+        # [num_groups, num_tokens]: every group's slots in one gather from the persistent tables.
         size = self.block_size
-        slot_mapping = block_tables[:, token_rows, positions // size] * size + positions % size
-        if num_groups > 1:
-            slot_mapping, block_tables = _aligned_planes(slot_mapping, block_tables)
+        token_rows = np.repeat(batch.rows, counts)
+        slot_mapping = input_batch.block_table[:, token_rows, positions // size] * size + positions % size
+        if slot_mapping.shape[0] > 1 and num_tokens % 2:
+            # An even token count keeps every group's plane 16-byte aligned on the device, as the
+            # first always is: Triton compiles a kernel variant per pointer alignment.
+            slot_mapping = np.pad(slot_mapping, ((0, 0), (0, 1)))
         logits_indices = query_start[1:][np.asarray(scheduler_output.sampling_rows, dtype=np.int64)] - 1
         # One host->device copy for the whole step (pinned, asynchronous on CUDA).
-        parts = [input_ids, positions, slot_mapping.ravel(), logits_indices, seq_lens, query_start,
-                 block_tables.ravel(), pending_slots, sources]
+        parts = [input_ids, positions, slot_mapping.ravel(), logits_indices, seq_lens, query_start, batch.rows,
+                 table_updates.ravel(), pending_slots, sources]
         flat = to_device_async(torch.from_numpy(np.concatenate(parts)), self.device)
-        input_ids_t, positions_t, slots_t, logits_t, seq_lens_t, query_start_t, tables_t, slots_in_flight, sources_t = (
-            flat.split([len(part) for part in parts]))
+        (input_ids_t, positions_t, slots_t, logits_t, seq_lens_t, query_start_t, rows_t, table_updates_t,
+         slots_in_flight, sources_t) = flat.split([len(part) for part in parts])
+        input_batch.apply_device_updates(table_updates_t.view(2, -1))
         if len(pending) == num_tokens and in_order:
             # Every input is the step in flight's token, in its row order (async decode): its
             # sampled ids are the input ids as they are (the model and its graphs only read them).
@@ -302,7 +316,7 @@ class ModelRunner:
             input_ids=input_ids_t,
             positions=positions_t,
             slot_mapping=slots_t.view(slot_mapping.shape)[:, :num_tokens],
-            block_tables=tables_t.view(block_tables.shape).to(torch.int32)[:, :, :max_blocks],
+            block_tables=input_batch.device_block_tables(rows_t, width),
             seq_lens=seq_lens_t.to(torch.int32),
             query_start_loc=query_start_t.to(torch.int32),
             logits_indices=logits_t,
@@ -477,20 +491,6 @@ class ModelRunner:
             return SampledTokens(sampled)
         num_top = max(n for n in wanted if n is not None)
         return SampledTokens(sampled, ops_for(logits).token_logprobs(logits, sampled, num_top), wanted)
-
-
-def _aligned_planes(slot_mapping: np.ndarray, block_tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The slot mapping padded to an even token count (int64) and the block tables to a multiple
-    of 4 blocks (int32 on the device), so that every group's plane starts 16-byte aligned on the
-    device, as the first always does: Triton compiles a kernel variant per pointer alignment,
-    and one step to the next would otherwise pick new ones."""
-    groups, num_tokens = slot_mapping.shape
-    padded_slots = np.zeros((groups, num_tokens + num_tokens % 2), dtype=slot_mapping.dtype)
-    padded_slots[:, :num_tokens] = slot_mapping
-    num_seqs, max_blocks = block_tables.shape[1:]
-    padded_tables = np.zeros((groups, num_seqs, -(-max_blocks // 4) * 4), dtype=block_tables.dtype)
-    padded_tables[:, :, :max_blocks] = block_tables
-    return padded_slots, padded_tables
 
 
 def _tokens_ready(jobs: list[LogitsJob], errors: list[Exception]) -> None:

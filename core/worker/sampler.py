@@ -41,15 +41,20 @@ def seeded_row_keys(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarra
     return absorb(keys, np.asarray(positions, dtype=np.int64))
 
 
+def sampler_table(requests: Sequence[CachedRequestState]) -> np.ndarray:
+    """``[5, len(requests)]`` float32: each request's ``sampler_row`` as a column."""
+    entries = [r.sampler_row for r in requests]
+    return np.fromiter(chain.from_iterable(entries), dtype=np.float32, count=5 * len(entries)).reshape(-1, 5).T
+
+
 def sample(logits: torch.Tensor, requests: Sequence[CachedRequestState], generator: torch.Generator | None,
-           positions: Sequence[int]) -> torch.Tensor:
+           positions: Sequence[int], table: np.ndarray | None = None) -> torch.Tensor:
     """One token id per row of ``logits`` for the matching request in ``requests``; ``positions``
-    holds each row's sampled-token index in its sequence (the counter of seeded noise)."""
+    holds each row's sampled-token index in its sequence (the counter of seeded noise).
+    ``table`` is the requests' ``sampler_table`` where the caller keeps it (``Batch.sampler_table``)."""
     # One host table and one copy for the whole batch, a row per parameter (each row on the
     # device a contiguous view): temperature, top_k, top_p, min_p, seeded.
-    entries = [r.sampler_row for r in requests]
-    table = np.fromiter(chain.from_iterable(entries), dtype=np.float32, count=5 * len(entries))
-    table = table.reshape(-1, 5).T.copy()
+    table = np.array(sampler_table(requests) if table is None else table, dtype=np.float32, order="C")
     temperature, top_k, top_p, min_p, seeded_rows = table
     top_k[top_k >= logits.shape[1]] = 0  # a top-k of the whole vocabulary keeps every token
     sampled = temperature > 0

@@ -158,8 +158,9 @@ def _snapshot(ids: list[str], new: list[NewRequestData], computed: list[int], co
     width = max(-(-(c + n) // block_size) for c, n in zip(computed, counts))
     # Every row of every KV cache group reads and writes the same blocks: their contents never
     # matter, only the shapes.
-    table = np.tile(np.arange(width, dtype=np.int32) % num_blocks, (worker.kv_cache_groups.num_groups, len(ids), 1))
-    return SchedulerOutput(new, ids, counts, computed, [[] for _ in ids], list(range(len(ids))), table)
+    table = np.tile(np.arange(width, dtype=np.int32) % num_blocks, (worker.kv_cache_groups.num_groups, 1))
+    return SchedulerOutput(new, ids, counts, computed, [[] for _ in ids], list(range(len(ids))),
+                           [(row, 0, table) for row in range(len(ids))])
 
 
 def _wait(output: "StepOutput | None") -> None:

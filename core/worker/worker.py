@@ -26,6 +26,7 @@ from hookllm.kernels.reference import FP8_DTYPE
 from hookllm.layers.attention import Attention
 from hookllm.worker import default_hooks
 from hookllm.worker.kv_cache_groups import group_layers
+from hookllm.worker.input_batch import InputBatch
 from hookllm.worker.model_runner import ModelRunner, StepOutput
 from hookllm.worker.pipeline_stage import PipelineStage
 from hookllm.plugins.components import ComponentKind
@@ -136,7 +137,9 @@ class Worker:
                                 if config.preemption_mode == "swap" else 0)
         self._allocate_host_cache(self.num_host_blocks)
         phase("host_swap_cache")
-        self.runner = ModelRunner(model, hooks, self.device, config.block_size, self.attention_backend, config.seed)
+        self.runner = ModelRunner(model, hooks, self.device, config.block_size, self.attention_backend, config.seed,
+                                  InputBatch(self.kv_cache_groups.num_groups, self.device, config.max_num_seqs,
+                                             -(-model_config.max_model_len // config.block_size)))
         if config.pipeline_parallel_size > 1:
             self.runner.stage = PipelineStage(capability(model, "pipeline_intermediate_count"),
                                               text_config_of(model_config.hf_config).hidden_size, self.dtype, self.device)

@@ -1,0 +1,117 @@
+"""The runner's persistent batch: each running request keeps a row of host arrays and device
+tensors across steps, and a step applies only what changed.
+
+A request takes a row the first time the runner runs it (new, or back after a preemption) and
+gives it back when it finishes or is preempted. Its row holds what a step would otherwise
+rebuild from Python objects: each KV cache group's block table, on the host (the slot mapping is
+computed there) and on the device (the attention kernels read it), and its sampler parameters.
+The scheduler sends only the block ids a table lacks (``SchedulerOutput.block_updates``: a new
+block every ``block_size`` tokens in a decode step), written to both copies; a step's block
+tables and sampler table are then gathers by row, on the device and the host.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from hookllm.worker.batch import CachedRequestState
+
+# A row's sampler parameters: temperature, top_k, top_p, min_p, seeded (CachedRequestState.sampler_row).
+SAMPLER_FIELDS = 5
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class InputBatch:
+    def __init__(self, num_groups: int, device: torch.device, num_rows: int = 16, num_columns: int = 64):
+        self.device = device
+        self.row_of: dict[str, int] = {}
+        self.free_rows: list[int] = []
+        self.block_table = np.zeros((num_groups, 0, 0), dtype=np.int32)  # [groups, rows, columns]
+        self.num_blocks = np.zeros(0, dtype=np.int64)  # each row's table width
+        self.sampler_table = np.zeros((SAMPLER_FIELDS, 0), dtype=np.float32)
+        self.device_block_table = torch.zeros(self.block_table.shape, dtype=torch.int32, device=device)
+        self._grow(num_rows, num_columns)
+
+    def rows(self, requests: Sequence[CachedRequestState]) -> np.ndarray:
+        """Each request's row (int64), taking rows for those that hold none yet."""
+        try:
+            return np.fromiter(map(self.row_of.__getitem__, [r.request_id for r in requests]), dtype=np.int64,
+                               count=len(requests))
+        except KeyError:
+            for request in requests:
+                if request.request_id not in self.row_of:
+                    self._add(request)
+            return self.rows(requests)
+
+    def remove(self, request_id: str) -> None:
+        """Give the request's row back (unknown ids pass: a request preempted before it ran)."""
+        row = self.row_of.pop(request_id, None)
+        if row is not None:
+            self.num_blocks[row] = 0
+            self.free_rows.append(row)
+
+    def update_block_tables(self, rows: np.ndarray, updates: Sequence[tuple[int, int, np.ndarray]]) -> np.ndarray:
+        """Write a step's block updates (``SchedulerOutput.block_updates``, indexed like ``rows``)
+        into the host tables; returns what the device tables need, ``[2, n]`` int64 (flat
+        indices, then block ids), for the caller to copy with the step's other inputs and hand to
+        :meth:`apply_device_updates`. One set of array operations, whatever the number of updates."""
+        if not updates:
+            return np.zeros((2, 0), dtype=np.int64)
+        indices, firsts, block_ids = zip(*updates)
+        lengths = np.fromiter((ids.shape[1] for ids in block_ids), dtype=np.int64, count=len(updates))
+        firsts = np.asarray(firsts, dtype=np.int64)
+        update_rows = rows[np.asarray(indices, dtype=np.int64)]
+        ends = firsts + lengths
+        if ends.max() > self.block_table.shape[2]:
+            self._grow(self.block_table.shape[1], int(ends.max()))
+        # Every updated entry's row and column, laid out flat as the ids are.
+        total = int(lengths.sum())
+        entry_rows = np.repeat(update_rows, lengths)
+        columns = np.arange(total, dtype=np.int64) + np.repeat(firsts - (np.cumsum(lengths) - lengths), lengths)
+        values = np.concatenate(block_ids, axis=1)  # [groups, total]
+        self.block_table[:, entry_rows, columns] = values
+        self.num_blocks[update_rows] = ends
+        groups, num_rows, num_columns = self.block_table.shape
+        flat_index = (np.arange(groups, dtype=np.int64)[:, None] * (num_rows * num_columns)
+                      + entry_rows * num_columns + columns)
+        return np.stack([flat_index.ravel(), values.ravel().astype(np.int64)])
+
+    def apply_device_updates(self, updates: torch.Tensor) -> None:
+        """Write ``update_block_tables``' result, now on the device, into the device tables."""
+        if updates.shape[1]:
+            self.device_block_table.view(-1)[updates[0]] = updates[1].to(torch.int32)
+
+    def device_block_tables(self, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """``[groups, len(rows), width]`` int32 on the device: the rows' block tables (``rows`` on
+        the device). The gathered planes are 16-byte aligned (the width is padded to 4 columns):
+        Triton compiles a kernel variant per pointer alignment."""
+        return self.device_block_table[:, rows, :_round_up(width, 4)][:, :, :width]
+
+    def _add(self, request: CachedRequestState) -> None:
+        if not self.free_rows:
+            self._grow(2 * self.block_table.shape[1], self.block_table.shape[2])
+        row = self.free_rows.pop()
+        self.row_of[request.request_id] = row
+        self.sampler_table[:, row] = request.sampler_row
+
+    def _grow(self, num_rows: int, num_columns: int) -> None:
+        """Grow the rows to ``num_rows`` and the columns to hold ``num_columns`` (rarely: the
+        runner sizes them for its engine), keeping every entry on the host and the device."""
+        groups, old_rows, old_columns = self.block_table.shape
+        num_columns = _round_up(max(num_columns, old_columns), 64)
+        table = np.zeros((groups, num_rows, num_columns), dtype=np.int32)
+        table[:, :old_rows, :old_columns] = self.block_table
+        self.block_table = table
+        self.num_blocks = np.concatenate([self.num_blocks, np.zeros(num_rows - old_rows, dtype=np.int64)])
+        self.sampler_table = np.concatenate(
+            [self.sampler_table, np.zeros((SAMPLER_FIELDS, num_rows - old_rows), dtype=np.float32)], axis=1)
+        self.free_rows = list(range(num_rows - 1, old_rows - 1, -1)) + self.free_rows
+        device_table = torch.zeros(table.shape, dtype=torch.int32, device=self.device)
+        device_table[:, :old_rows, :old_columns] = self.device_block_table
+        self.device_block_table = device_table
