@@ -159,6 +159,25 @@ def test_triton_fused_moe_default_config_and_gpt_oss_activation(triton_moe):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("softmax_first, renormalize", [(True, False), (True, True), (False, False)])
+def test_triton_route_equals_reference(triton_moe, softmax_first, renormalize):
+    logits = torch.randn(9, 6, generator=torch.Generator().manual_seed(3))
+    weights, ids = triton_moe.route(logits, 3, renormalize=renormalize, softmax_first=softmax_first)
+    want_weights, want_ids = reference.route(logits, 3, renormalize=renormalize, softmax_first=softmax_first)
+    assert ids.dtype == torch.int32 and ids.tolist() == want_ids.tolist()
+    torch.testing.assert_close(weights, want_weights)
+
+
+@pytest.mark.parametrize("block_m", [1, 3, 16])
+def test_triton_moe_align_equals_reference_over_several_chunks(triton_moe, block_m):
+    # 150 pairs: three programs' chunks, whose pairs of one expert must keep their order; id 6 is
+    # an absent expert (held by another expert-parallel rank).
+    topk_ids = torch.stack([torch.randperm(7, generator=torch.Generator().manual_seed(i))[:2] for i in range(75)]).int()
+    got = triton_moe.moe_align(topk_ids, 6, block_m)
+    want = reference.moe_align(topk_ids, 6, block_m)
+    assert [t.tolist() for t in got] == [t.tolist() for t in want]
+
+
 def test_moe_align_gives_absent_pairs_no_row():
     """Id ``num_experts`` marks a pair whose expert another expert-parallel rank holds."""
     topk_ids = torch.tensor([[0, 2], [2, 0], [1, 2]], dtype=torch.int32)  # 2 = absent of 2 experts

@@ -31,7 +31,7 @@ from torch import nn
 from hookllm.distributed import expert_parallel_enabled, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from hookllm.layers.linear import LoadedWeight, check_loaded_shape, loaded_shape, materialize
 from hookllm.kernels import reference
-from hookllm.kernels.reference import check_moe_activation, route
+from hookllm.kernels.reference import check_moe_activation
 
 # Per-expert checkpoint tensors: shard "<projection>:<expert>" (``gate:3``); stacked ones: None.
 EXPERT_PROJECTIONS = ("gate", "up", "down")
@@ -134,14 +134,15 @@ class FusedMoE(nn.Module):
         """``hidden_states`` ``[tokens, hidden]``, ``router_logits`` ``[tokens, experts]`` (every
         expert's, on every rank) -> ``[tokens, hidden]``, all-reduced over ranks unless
         ``reduce_results`` is off."""
-        weights, ids = route(router_logits, self.top_k, renormalize=self.renormalize,
-                             softmax_first=self.softmax_first)
+        kernels = _moe_kernels(hidden_states)
+        weights, ids = kernels.route(router_logits, self.top_k, renormalize=self.renormalize,
+                                     softmax_first=self.softmax_first)
         if self.expert_parallel:
             # This rank's experts become 0..local-1; the others ``num_local_experts`` (absent here).
             local = ids - self.first_expert
             ids = torch.where((local >= 0) & (local < self.num_local_experts), local,
                               torch.full_like(local, self.num_local_experts))
-        out = _moe_kernels(hidden_states).fused_moe(
+        out = kernels.fused_moe(
             hidden_states, self.gate_up_proj, self.down_proj, weights, ids, activation=self.activation,
             gate_up_bias=self.gate_up_proj_bias, down_bias=self._down_bias(), swiglu_limit=self.swiglu_limit,
             experts_elsewhere=self.expert_parallel, gate_up_scale=self.gate_up_proj_scale,
