@@ -2,8 +2,10 @@
 
 from hookllm.plugins.hookspecs import hookimpl
 from hookllm.sampling_params import RequestOutputKind, SamplingParams
+from hookllm.pooling_params import PoolingParams
 from hookllm.inputs import TextPrompt, TokensPrompt
-from hookllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from hookllm.outputs import (CompletionOutput, EmbeddingRequestOutput, Logprob, PoolingRequestOutput, RequestMetrics,
+                             RequestOutput)
 from hookllm.config import EngineConfig
 from hookllm.engine.arg_utils import EngineArgs
 from hookllm.engine.llm_engine import LLMEngine
@@ -14,4 +16,5 @@ from hookllm.worker.model_runner import SamplerContractError
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "EngineConfig", "SamplingParams", "RequestOutputKind", "TextPrompt",
            "TokensPrompt", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "hookimpl",
-           "SamplerContractError", "BeamSearchParams", "BeamSearchOutput"]
+           "SamplerContractError", "BeamSearchParams", "BeamSearchOutput", "PoolingParams", "PoolingRequestOutput",
+           "EmbeddingRequestOutput"]

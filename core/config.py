@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hookllm.pooling_params import PoolerConfig
+
 if TYPE_CHECKING:
     from hookllm.sched.kv_events import KVEventsConfig
 
@@ -95,9 +97,13 @@ class ModelConfig:
     load_format: str = "auto"  # EngineConfig.load_format: "dummy" loads random weights
     # The hookllm.plugins.quantization.QuantizationMethod serving the checkpoint, if any.
     quantization: Any = None
+    runner: str = "generate"  # EngineConfig.runner, resolved: "generate" or "pooling"
+    pooler: PoolerConfig | None = None  # how the pooling runner pools (None when generating)
+    weight_prefix: str = ""  # put before every checkpoint tensor's name (a bare base model's: "model.")
 
     @classmethod
-    def from_path(cls, path: str, dtype: torch.dtype, max_model_len: int | None) -> "ModelConfig":
+    def from_path(cls, path: str, dtype: torch.dtype, max_model_len: int | None,
+                  runner: str = "auto") -> "ModelConfig":
         hf_config = load_hf_config(path)
         architectures = getattr(hf_config, "architectures", None) or []
         if not architectures:
@@ -108,7 +114,20 @@ class ModelConfig:
             max_model_len = limit or 2048
         elif limit and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
-        return cls(str(path), hf_config, architectures[0], dtype, int(max_model_len))
+        pooler = PoolerConfig.for_checkpoint(path, hf_config)
+        if runner == "auto":
+            runner = "pooling" if pooler is not None else "generate"
+        architecture, weight_prefix = architectures[0], ""
+        if runner == "pooling":
+            pooler = pooler or PoolerConfig.default(hf_config)
+            if architecture.endswith("Model") and not architecture.endswith("PreTrainedModel"):
+                # sentence-transformers saves a decoder's base model (LlamaModel, tensors named
+                # without "model."): its causal LM class serves it, the head tied to the
+                # embedding (it has none of its own, and the pooling runner computes no logits).
+                architecture, weight_prefix = architecture[:-len("Model")] + "ForCausalLM", "model."
+                text.tie_word_embeddings = True
+        return cls(str(path), hf_config, architecture, dtype, int(max_model_len), runner=runner,
+                   pooler=pooler if runner == "pooling" else None, weight_prefix=weight_prefix)
 
 
 def _option(default: Any, help: str, **extra: Any) -> Any:
@@ -128,6 +147,9 @@ class EngineConfig:
     model: str = _option(None, "a local folder (config.json + safetensors) or a Hugging Face hub id "
                                "(Qwen/Qwen3-0.6B); default: SmolLM2-135M-Instruct")
     plugins: list[str] = _option(list, "activate an installed plugin (repeatable)", flag="--plugin", metavar="NAME")
+    runner: str = _option("auto", "generate tokens, or pool hidden states (embeddings: LLM.embed, /v1/embeddings); "
+                          "auto: pooling for a checkpoint with a sentence-transformers pipeline (modules.json)",
+                          choices=["auto", "generate", "pooling"])
     model_impl: str = _option("auto", "which implementation serves the checkpoint's architecture: auto (a plugin's "
                               "native one, else the transformers fallback), native, or transformers (the "
                               "transformers modeling backend, for any causal LM)", choices=list(MODEL_IMPLS))

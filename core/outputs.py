@@ -134,3 +134,44 @@ class RequestOutput:
     prompt_logprobs: list[LogprobsEntry | None] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result (vLLM's): ``data`` a float32 tensor on the host, the embedding
+    ``[hidden]`` (or ``[dimensions]``) for the embed task, ``[prompt tokens, hidden]`` for encode."""
+
+    data: Any
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s output: a ``PoolingRequestOutput`` whose data is one vector, as a list."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
+                   output.finished)

@@ -28,10 +28,11 @@ from hookllm.config import EngineConfig
 from hookllm.engine.llm_engine import LLMEngine
 from hookllm.engine.core_client import EngineClient, EngineThread, start_engines
 from hookllm.engine.dp_client import DataParallelClient
-from hookllm.engine.messages import (AbortRequests, AddRequest, EngineReport, OutputDelta, OutputStream, merge_deltas,
-                                     rebuild_error)
+from hookllm.engine.messages import (AbortRequests, AddRequest, EngineReport, OutputDelta, OutputStream, PooledOutput,
+                                     merge_deltas, rebuild_error, unpack_pooled)
 from hookllm.inputs import PromptType
-from hookllm.outputs import CompletionOutput, RequestOutput
+from hookllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import SamplingParams
 from hookllm.sched.scheduler import SchedulerStats
 from hookllm.tokenizer import TokenTexts, load_tokenizer
@@ -56,7 +57,7 @@ class _Stream(OutputStream):
 
 
 # A queued item: an output delta (unpacked by the consumer), the abort's RequestOutput, or an error.
-QueueItem = OutputDelta | RequestOutput | BaseException
+QueueItem = OutputDelta | PooledOutput | RequestOutput | BaseException
 
 
 def _deliver(items: list[tuple[asyncio.Queue, QueueItem]]) -> None:
@@ -178,17 +179,7 @@ class AsyncLLM:
         """
         request_id = request_id or f"async-{next(self._ids)}"
         # Deltas never take text back: the engine holds back what a stop string may still cut.
-        params = dataclasses.replace(params, output_kind="delta")
-        stream = _Stream(asyncio.get_running_loop(), self.token_texts)
-        added: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            if self._stopped.is_set():
-                raise EngineDeadError("the engine is shut down")
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = stream
-            self._adding[request_id] = added
-        self._loop.send(AddRequest(request_id, prompt, params))
+        stream, added = self._add(request_id, prompt, dataclasses.replace(params, output_kind="delta"))
         finished = False
         try:
             await asyncio.wrap_future(added)
@@ -212,6 +203,42 @@ class AsyncLLM:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def encode(self, prompt: PromptType, params: PoolingParams,
+                     request_id: str | None = None) -> PoolingRequestOutput:
+        """Run a pooling request (the pooling runner's) and return its output. ``ValueError`` for
+        bad input; cancelling the call aborts the request."""
+        request_id = request_id or f"async-{next(self._ids)}"
+        stream, added = self._add(request_id, prompt, params)
+        finished = False
+        try:
+            await asyncio.wrap_future(added)
+            item = await stream.queue.get()
+            finished = True
+            if isinstance(item, BaseException):
+                raise item
+            if type(item) is not PooledOutput:  # aborted meanwhile (its final output)
+                raise EngineDeadError(f"request {request_id} was aborted")
+            return unpack_pooled(item)
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def _add(self, request_id: str, prompt: PromptType,
+             params: SamplingParams | PoolingParams) -> tuple[_Stream, concurrent.futures.Future]:
+        """Open the request's stream and send it to the engine; the future resolves once the
+        engine took it (or refused it)."""
+        stream = _Stream(asyncio.get_running_loop(), self.token_texts)
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._stopped.is_set():
+                raise EngineDeadError("the engine is shut down")
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._adding[request_id] = added
+        self._loop.send(AddRequest(request_id, prompt, params))
+        return stream, added
 
     def abort(self, request_id: str) -> None:
         """Abort a request (from any thread): its blocks are freed before the next step; its
@@ -254,6 +281,10 @@ class AsyncLLM:
                     stream = self._streams.pop(request_id, None)
                     if stream is not None:
                         put(stream, failure)
+            for pooled in report.pooled:
+                stream = self._streams.pop(pooled.request_id, None)
+                if stream is not None:
+                    put(stream, pooled)
             for delta in report.outputs:
                 stream = self._streams.get(delta.request_id)
                 if stream is None:

@@ -38,6 +38,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     stop_reason: int | None  # the stop token id that ended it
     num_cached_tokens: int  # prompt tokens found in the prefix cache at first admission
+    pooled: Any = None  # a pooling request's output (a host float32 tensor), in the step that ends it
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
@@ -194,6 +195,11 @@ class EngineCore:
                 prompt_logprobs.pop(request.request_id, None) if prompt_logprobs else None,
                 request.status.value if request.is_finished else None, request.stop_reason,
                 request.num_cached_tokens or 0))
+        if batch.pooling_rows:
+            pooled = result.pooled()
+            outputs += [EngineCoreOutput(request.request_id, [], None, None, request.status.value, None,
+                                         request.num_cached_tokens or 0, pooled[request.request_id])
+                        for request in self.scheduler.finish_pooled(batch)]
         # Prefill chunks that sampled nothing still carry their prompt logprobs.
         for request_id, entries in prompt_logprobs.items():
             request = self.scheduler.requests.get(request_id)

@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import SamplingParams
 from hookllm.sched.request import MultiModalItem
 
@@ -31,6 +32,9 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     # Prompt plus max_tokens, capped by max_model_len: set_length_limit sets it once the prompt is final.
     max_num_tokens: int = sys.maxsize
+    # A pooling request's settings: it computes its prompt and ends, sampling nothing
+    # (``sampling_params`` is then the input processor's stand-in, see POOLING_SAMPLING).
+    pooling_params: PoolingParams | None = None
 
     def reset_prompt(self, token_ids: list[int]) -> None:
         """Replace the prompt (a plugin's ``preprocess_request`` expanding placeholders)."""
@@ -46,6 +50,12 @@ class EngineCoreRequest:
         rid, n = self.request_id, self.num_prompt_tokens
         if n == 0:
             raise ValueError(f"request {rid}: the prompt is empty")
+        if self.pooling_params is not None:  # no output token: the prompt may fill the model
+            if n > max_model_len:
+                raise ValueError(f"request {rid}: the input has {n} tokens, max_model_len is {max_model_len} "
+                                 "(truncate_prompt_tokens keeps its end)")
+            self.max_num_tokens = n
+            return
         if n >= max_model_len:
             raise ValueError(f"request {rid}: the prompt has {n} tokens, max_model_len is {max_model_len} "
                              "(it must leave room for at least one output token)")

@@ -96,6 +96,7 @@ class DataParallelClient:
             ended = [added.request_id for added in report.added if added.error is not None]
             ended += report.failed_ids
             ended += [delta.request_id for delta in report.outputs if delta.finished]
+            ended += [pooled.request_id for pooled in report.pooled]
             for request_id in ended:
                 self._engine_of.pop(request_id, None)
             report.stats = total_stats(self._stats)

@@ -15,10 +15,14 @@ from typing import Any
 from hookllm.config import EngineConfig, ModelConfig, text_config_of
 from hookllm.inputs import PromptType
 from hookllm.plugins.manager import ActiveHooks
+from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import SamplingParams
 from hookllm.engine.core_request import EngineCoreRequest
 
 PROMPT_FIELDS = frozenset(("prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"))
+# What a pooling request carries where a generation request has its sampling parameters: it is
+# never sampled (the scheduler ends it once its prompt is computed), and it has no text.
+POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind="final_only")
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:
@@ -37,21 +41,48 @@ class InputProcessor:
         self.max_logprobs = config.max_logprobs if self.vocab_size is None else min(config.max_logprobs,
                                                                                       self.vocab_size)
 
-    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None) -> EngineCoreRequest:
-        """The request for ``prompt``: tokenized, preprocessed by the plugins, its limits checked."""
+    def process(self, request_id: str, prompt: PromptType,
+                params: SamplingParams | PoolingParams | None) -> EngineCoreRequest:
+        """The request for ``prompt``: tokenized, preprocessed by the plugins, its limits checked.
+        ``PoolingParams`` make a pooling request (the pooling runner's), anything else a generation one."""
         if not isinstance(request_id, str):
             raise TypeError(
                 f"add_request takes (request_id, prompt, params) in vLLM's order; the request id must be "
                 f"a str, got {type(request_id).__name__}"
             )
-        if isinstance(prompt, SamplingParams) or not isinstance(params, (SamplingParams, type(None))):
+        if isinstance(prompt, (SamplingParams, PoolingParams)) or not isinstance(
+                params, (SamplingParams, PoolingParams, type(None))):
             raise TypeError("add_request takes (request_id, prompt, params) in vLLM's order, "
                             f"got a {type(prompt).__name__} as the prompt and a {type(params).__name__} as params")
+        runner = self.model_config.runner
+        if isinstance(params, PoolingParams) != (runner == "pooling"):
+            wanted = "PoolingParams (LLM.embed, /v1/embeddings)" if runner == "pooling" else "SamplingParams"
+            raise ValueError(f"request {request_id}: {self.config.model} runs the {runner} runner: a request "
+                             f"takes {wanted}, got {type(params or SamplingParams()).__name__}")
+        if isinstance(params, PoolingParams):
+            return self._pooling_request(request_id, prompt, params)
         params = params or SamplingParams()
         self._check_logprobs(request_id, params)
         request = self._make_request(request_id, prompt, self._resolve_params(request_id, params))
         self.hooks.hook.preprocess_request(request=request, context=self.hooks.context)
         self.hooks.check_claimed(request)
+        request.set_length_limit(self.model_config.max_model_len)
+        return request
+
+    def _pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams) -> EngineCoreRequest:
+        pooler = self.model_config.pooler
+        hidden_size = text_config_of(self.model_config.hf_config).hidden_size
+        if params.dimensions is not None:
+            if not pooler.matryoshka:
+                raise ValueError(f"request {request_id}: dimensions={params.dimensions}: {self.config.model} "
+                                 "was not trained for Matryoshka embeddings (its config sets no is_matryoshka)")
+            if params.dimensions > hidden_size:
+                raise ValueError(f"request {request_id}: dimensions={params.dimensions} is over the model's "
+                                 f"embedding size {hidden_size}")
+        sampling = dataclasses.replace(POOLING_SAMPLING, truncate_prompt_tokens=params.truncate_prompt_tokens)
+        request = self._make_request(request_id, prompt, sampling)
+        request.pooling_params = params
+        self.hooks.hook.preprocess_request(request=request, context=self.hooks.context)
         request.set_length_limit(self.model_config.max_model_len)
         return request
 

@@ -15,7 +15,8 @@ from typing import Callable
 from hookllm.worker.multiproc_executor import WorkerError
 from hookllm.engine.llm_engine import LLMEngine
 from hookllm.engine.messages import (AbortRequests, AddRequest, Command, EngineReport, RequestAdded, Shutdown,
-                                     pack_output)
+                                     pack_output, pack_pooled)
+from hookllm.outputs import PoolingRequestOutput
 from hookllm.sched.scheduler import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,10 @@ class EngineLoop:
             return
         for output in outputs:
             rid = output.request_id
+            if type(output) is PoolingRequestOutput:
+                reports[self.owner[rid]].pooled.append(pack_pooled(output))
+                self._forget([rid])
+                continue
             reports[self.owner[rid]].outputs.append(pack_output(output, with_head=rid not in self.head_sent))
             if output.finished:
                 self._forget([rid])

@@ -14,8 +14,12 @@ from __future__ import annotations
 from typing import Any, Union
 
 import msgspec
+import numpy as np
+import torch
 
-from hookllm.outputs import CompletionOutput, FlatLogprobs, Logprob, RequestMetrics, RequestOutput
+from hookllm.outputs import (CompletionOutput, FlatLogprobs, Logprob, PoolingOutput, PoolingRequestOutput,
+                             RequestMetrics, RequestOutput)
+from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import SamplingParams
 from hookllm.sched.scheduler import SchedulerStats
 from hookllm.tokenizer import TokenTexts
@@ -29,7 +33,7 @@ STRUCT_OPTIONS = {"array_like": True, "gc": False}
 class AddRequest(msgspec.Struct):
     request_id: str
     prompt: Any
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
 
 
 class AbortRequests(msgspec.Struct):
@@ -76,6 +80,16 @@ class OutputDelta(msgspec.Struct, **STRUCT_OPTIONS):
     metrics: RequestMetrics | None  # a finished request's
 
 
+class PooledOutput(msgspec.Struct, **STRUCT_OPTIONS):
+    """A pooling request's one output: its float32 data as bytes, with the data's shape."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    shape: list[int]
+    data: bytes
+    num_cached_tokens: int
+
+
 class RequestAdded(msgspec.Struct, **STRUCT_OPTIONS):
     request_id: str
     error: tuple[str, str] | None = None  # (exception type name, message) if refused
@@ -91,6 +105,7 @@ class EngineReport(msgspec.Struct, **STRUCT_OPTIONS):
     failed_ids: list[str] = []
     failure: str = ""
     closed: bool = False  # the last report: the loop has stopped and aborted what was left
+    pooled: list[PooledOutput] = []  # pooling requests that finished
 
 
 encode_report = msgspec.msgpack.Encoder().encode
@@ -104,6 +119,18 @@ def pack_output(output: RequestOutput, with_head: bool) -> OutputDelta:
                                    c.stop_reason) for c in output.outputs]
     return OutputDelta(output.request_id, output.finished, head, completions,
                        output.metrics if output.finished else None)
+
+
+def pack_pooled(output: PoolingRequestOutput) -> PooledOutput:
+    data = output.outputs.data.float().contiguous()
+    return PooledOutput(output.request_id, output.prompt_token_ids, list(data.shape), data.numpy().tobytes(),
+                        output.num_cached_tokens)
+
+
+def unpack_pooled(pooled: PooledOutput) -> PoolingRequestOutput:
+    data = torch.from_numpy(np.frombuffer(pooled.data, dtype=np.float32).reshape(pooled.shape).copy())
+    return PoolingRequestOutput(pooled.request_id, PoolingOutput(data), pooled.prompt_token_ids, True,
+                                pooled.num_cached_tokens)
 
 
 def merge_deltas(first: OutputDelta, later: OutputDelta) -> OutputDelta:

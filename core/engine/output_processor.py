@@ -22,7 +22,8 @@ from hookllm.engine.core import EngineCoreOutputs
 from hookllm.engine.core_request import EngineCoreRequest
 from hookllm.engine.input_processor import child_request_ids
 from hookllm.engine.stop_strings import StopStringAutomaton, StopStringMatcher
-from hookllm.outputs import (CompletionOutput, FlatLogprobs, LogprobsEntry, LogprobsRow, RequestMetrics, RequestOutput,
+from hookllm.outputs import (CompletionOutput, FlatLogprobs, LogprobsEntry, LogprobsRow, PoolingOutput,
+                             PoolingRequestOutput, RequestMetrics, RequestOutput,
                              logprobs_entry)
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.sampling_params import RequestOutputKind
@@ -171,6 +172,14 @@ class OutputProcessor:
             state = self.states.get(core_output.request_id)
             if state is None:
                 continue  # aborted, or stopped by a stop string, while the step ran
+            if core_output.pooled is not None:
+                del self.states[state.request_id]
+                state.finish_reason = core_output.finish_reason
+                request_outputs.append(PoolingRequestOutput(state.request_id, PoolingOutput(core_output.pooled),
+                                                            state.prompt_token_ids, True, core_output.num_cached_tokens))
+                if self.completed_hook is not None:
+                    self._complete(state)
+                continue
             if core_output.new_prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, core_output.new_prompt_logprobs)
             if not core_output.new_token_ids:

@@ -14,7 +14,8 @@ from hookllm.entrypoints.chat import render_chat
 from hookllm.config import EngineConfig
 from hookllm.engine.llm_engine import LLMEngine
 from hookllm.inputs import PromptType
-from hookllm.outputs import RequestOutput
+from hookllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import RequestOutputKind, SamplingParams
 
 # generation_config.json keys that become SamplingParams defaults (vLLM's set), by field.
@@ -97,11 +98,7 @@ class LLM:
         anything), none of this call's requests run, the error names the bad one, and the
         engine stays ready for the next call.
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -109,18 +106,44 @@ class LLM:
         for i, params in enumerate(sampling_params):
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}")
+        # Only the final output is needed here: skip building one every step.
+        final = [dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY) for params in sampling_params]
+        return self._run(self._add_requests(prompts, final), use_tqdm)
+
+    def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Pool each prompt's hidden states (the pooling runner: ``LLM(..., runner="pooling")``, or a
+        checkpoint with a sentence-transformers pipeline); outputs in the order of ``prompts``.
+        The task is ``pooling_params.task``: ``encode`` (the default here) gives every prompt
+        token's last hidden state, ``embed`` one vector per prompt."""
+        params = pooling_params or PoolingParams(task="encode")
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        prompts = _prompt_list(prompts)
+        if not prompts:
+            raise ValueError("prompts is empty: give at least one input")
+        return self._run(self._add_requests(prompts, [params] * len(prompts)), use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``outputs.embedding``, a list of floats): the model's pooling,
+        cut to ``pooling_params.dimensions`` and normalized as the checkpoint's pipeline says."""
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="embed")
+        return [EmbeddingRequestOutput.from_base(output) for output in self.encode(prompts, params, use_tqdm)]
+
+    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams | PoolingParams]) -> list[str]:
+        """Queue one request per prompt; if any is refused (or adding it raises anything), none
+        of them stays queued, and the error names the prompt."""
         request_ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, sampling_params):
-                # Only the final output is needed here: skip building one every step.
-                params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                request_ids.append(self.engine.add_request(self._next_request_id(), prompt, params))
+            for prompt, request_params in zip(prompts, params):
+                request_ids.append(self.engine.add_request(self._next_request_id(), prompt, request_params))
         except Exception as exc:
             self.engine.abort_request(request_ids)
             if isinstance(exc, ValueError):
                 raise ValueError(f"prompt {len(request_ids)}: {exc}") from exc
             raise
-        return self._run(request_ids, use_tqdm)
+        return request_ids
 
     def chat(
         self,
@@ -183,6 +206,15 @@ class LLM:
             if progress is not None:
                 progress.close()
         return [finished[request_id] for request_id in request_ids]
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (a string, token ids, a dict) or a list of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+    return list(prompts)
 
 
 def _apply_to_model(func: Callable[[Any], Any], worker: Any) -> Any:

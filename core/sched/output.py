@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hookllm.sched.request import MultiModalItem
+from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import SamplingParams
 
 
@@ -25,6 +26,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     mm_items: list[MultiModalItem] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -49,6 +51,9 @@ class SchedulerOutput:
     # reused this step), then (host, device) blocks whose K/V come back; every group's blocks.
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Indices into request_ids of the pooling requests whose prompt this step completes: they
+    # end with the step, their pooled hidden states their output.
+    pooling_rows: list[int] = field(default_factory=list)
 
     @classmethod
     def empty(cls, finished_request_ids: list[str] | None = None) -> "SchedulerOutput":

@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class Request:
     cache_salt: str | None = None  # mixed into its first KV block's hash (EngineCoreRequest.cache_salt)
     # Prompt plus max_tokens, capped by max_model_len (EngineCoreRequest.set_length_limit).
     max_num_tokens: int = sys.maxsize
+    pooling_params: PoolingParams | None = None  # a pooling request: it ends once its prompt is computed
 
     def __post_init__(self) -> None:
         self.output_token_ids: list[int] = []
@@ -81,7 +83,7 @@ class Request:
         """The scheduling state of an engine request, before its first step."""
         c = core_request
         return cls(c.request_id, c.prompt_token_ids, c.sampling_params, c.prompt, c.multi_modal_data,
-                   c.mm_items, c.cache_salt, c.max_num_tokens)
+                   c.mm_items, c.cache_salt, c.max_num_tokens, c.pooling_params)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -149,11 +149,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < limit:
             request = self.running[i]
-            num_tokens = request.num_tokens
-            if num_tokens >= request.max_num_tokens or self._awaits_token(request):
-                i += 1  # its (last) token is being sampled by a step in flight: nothing to run yet
+            if not self._has_work(request):
+                i += 1
                 continue
-            num_new = min(num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()  # the newest running request
                 self._preempt(victim, swap_out)
@@ -191,9 +190,9 @@ class Scheduler:
             if self._awaits_token(request):
                 break  # preempted while a step in flight samples its token: it resumes once that is back
             # A request holding no blocks starts from its longest cached prefix (a fork holds its parent's),
-            # unless it asks for prompt logprobs: those are computed only for the tokens it computes.
+            # unless it asks for prompt logprobs or pools: those read the hidden states of the tokens it computes.
             looks_up = (self.block_manager.enable_prefix_caching and not self.block_manager.holds_blocks(request)
-                        and request.sampling_params.prompt_logprobs is None)
+                        and request.sampling_params.prompt_logprobs is None and request.pooling_params is None)
             hits = self.block_manager.find_cached_prefix(request) if looks_up else []
             num_cached = len(hits) * self.block_manager.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
@@ -217,6 +216,14 @@ class Scheduler:
         unfinished = len(self.running) + len(self.waiting) + len(self.swapped)
         return max(1, -(-unfinished // self.pipeline_depth))
 
+    def _has_work(self, request: Request) -> bool:
+        """Whether a running request has tokens to compute now: not while a step in flight
+        samples its token or its last one (at its length limit), nor once a pooling request's
+        prompt is computed (it ends when that step's output is read)."""
+        if request.pooling_params is not None:
+            return request.num_computed_tokens < request.num_tokens
+        return request.num_tokens < request.max_num_tokens and not self._awaits_token(request)
+
     def _awaits_token(self, request: Request) -> bool:
         return self.await_sampled_tokens and request.num_output_placeholders > 0
 
@@ -234,19 +241,22 @@ class Scheduler:
         """Commit the step and return it as data: computed tokens advance now, each request whose
         chunk reaches its last token gets a placeholder for the token it samples, and the finished
         request ids and block copies are taken."""
-        new_requests, new_token_ids, sampling_rows = [], [], []
+        new_requests, new_token_ids, sampling_rows, pooling_rows = [], [], [], []
         computed = [r.num_computed_tokens for r in scheduled]
         for row, (request, count) in enumerate(zip(scheduled, counts)):
             if request.num_synced_tokens == 0:
                 new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
-                                                   request.sampling_params, request.mm_items))
+                                                   request.sampling_params, request.mm_items, request.pooling_params))
                 request.num_synced_tokens = request.num_prompt_tokens
             new_token_ids.append(request.all_token_ids[request.num_synced_tokens:])
             request.num_synced_tokens = len(request.all_token_ids)
             request.num_computed_tokens += count
             if request.num_computed_tokens == request.num_tokens:
-                sampling_rows.append(row)
-                request.num_output_placeholders += 1
+                if request.pooling_params is not None:
+                    pooling_rows.append(row)  # computed whole: scheduled no more (_has_work)
+                else:
+                    sampling_rows.append(row)
+                    request.num_output_placeholders += 1
         finished = self.take_finished_request_ids()
         return SchedulerOutput(
             new_requests=new_requests,
@@ -261,6 +271,7 @@ class Scheduler:
             preempted_request_ids=[r.request_id for r in preempted],
             swap_out=swap_out,
             swap_in=swap_in,
+            pooling_rows=pooling_rows,
         )
 
     def _preempt(self, request: Request, swap_out: list[tuple[int, int]]) -> None:
@@ -321,6 +332,17 @@ class Scheduler:
             elif len(request.all_token_ids) >= request.max_num_tokens:  # max_tokens or max_model_len
                 self.finish_request(request_id, RequestStatus.FINISHED_LENGTH)
         return updated
+
+    def finish_pooled(self, batch: SchedulerOutput) -> list[Request]:
+        """End the pooling requests whose prompt ``batch`` completed (their output is the step's
+        pooled hidden states); returns those still unfinished until now."""
+        finished = []
+        for row in batch.pooling_rows:
+            request = self.requests.get(batch.request_ids[row])
+            if request is not None:
+                self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                finished.append(request)
+        return finished
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """End a request (stopped, length or aborted) and free its blocks at once; unknown ids pass."""

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from hookllm.engine.async_llm import AsyncLLM
-from hookllm.server import serving_basic, serving_chat, serving_completion, serving_responses
+from hookllm.server import serving_basic, serving_chat, serving_completion, serving_pooling, serving_responses
 from hookllm.server.errors import ERROR_DESCRIPTIONS, add_error_handlers, error_response
 from hookllm.server.metrics import ArrivalTimeMiddleware, ServerMetrics
 from hookllm.server.state import ServerSettings, ServerState
@@ -63,7 +63,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings,
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(ArrivalTimeMiddleware)  # added last: the outermost layer, first to see a request
     add_error_handlers(app)
-    for module in (serving_basic, serving_completion, serving_chat, serving_responses):
+    for module in (serving_basic, serving_completion, serving_chat, serving_responses, serving_pooling):
         app.include_router(module.router)
     engine.hooks.hook.add_routes(app=app, engine=engine, context=engine.hooks.context)
     app.openapi = lambda: openapi_document(app, bool(settings.api_key))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol, runtime_checkable
 
+import torch
+
 from hookllm.config import EngineConfig, ModelConfig
 from hookllm.outputs import LogprobsRow
 from hookllm.plugins.manager import ActiveHooks
@@ -31,6 +33,10 @@ class StepResult(Protocol):
 
     def prompt_logprobs(self) -> dict[str, list[LogprobsRow]]:
         """By request: one row per prompt token this step predicted."""
+        ...
+
+    def pooled(self) -> dict[str, torch.Tensor]:
+        """By request: the pooled output (host, float32) of each pooling request this step completed."""
         ...
 
 

@@ -132,7 +132,7 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, std: float = DUMMY
 
 
 def load_checkpoint(model: nn.Module, model_dir: str | Path, load_format: str = "auto",
-                    quantization: QuantizationMethod | None = None) -> None:
+                    quantization: QuantizationMethod | None = None, name_prefix: str = "") -> None:
     """Load ``model``'s weights the way ``load_format`` says.
 
     ``"auto"`` / ``"safetensors"``: ``model.load_weights`` gets lazy slices
@@ -140,7 +140,8 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path, load_format: str = 
     loader must accept them, as `load_weights_into` does), else whole tensors
     (`iterate_weights`); through ``quantization.checkpoint_tensors`` when the model is
     quantized. ``"dummy"``: `initialize_dummy_weights`, no file is opened. Quantized layers then
-    finish their weights (``process_weights_after_loading``).
+    finish their weights (``process_weights_after_loading``). ``name_prefix`` goes before every
+    tensor's name.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -149,6 +150,8 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path, load_format: str = 
     else:
         lazy = capability(model, "supports_tensor_parallel")
         weights = iterate_weight_slices(model_dir) if lazy else iterate_weights(model_dir)
+        if name_prefix:
+            weights = ((name_prefix + name, tensor) for name, tensor in weights)
         if quantization is not None:
             weights = quantization.checkpoint_tensors(weights, model)
         model.load_weights(weights)

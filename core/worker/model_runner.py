@@ -35,6 +35,7 @@ from hookllm.worker.batch import Batch, LogitsJob, CachedRequestState
 from hookllm.worker.cuda_graph import CudaGraphRunner
 from hookllm.worker.forward_context import AttentionMetadata, set_forward_context
 from hookllm.worker.input_batch import InputBatch
+from hookllm.worker.pooler import Pooler
 from hookllm.outputs import LogprobsRow
 from hookllm.worker.penalties import AdjustedRows, LogitsAdjuster
 from hookllm.worker.pipeline_stage import PipelineStage
@@ -89,12 +90,15 @@ class StepOutput:
 
     def __init__(self, request_ids: list[str], sampled: SampledTokens | None = None,
                  prompt_logprobs: dict[str, tuple[torch.Tensor, ...]] | None = None,
-                 deferred: Callable[[], SampledTokens] | None = None, device: torch.device | None = None):
+                 deferred: Callable[[], SampledTokens] | None = None, device: torch.device | None = None,
+                 pooled: dict[str, torch.Tensor] | None = None):
         self.request_ids = request_ids  # the request of each row
         self._rows: dict[str, int] | None = None  # row_of's index, built on first use
         # By request: (prompt tokens' logprobs, ranks, top-k values, top-k ids) for this step's chunk.
         self._prompt_logprobs = {request_id: tuple(t.to("cpu", non_blocking=True) for t in parts)
                                  for request_id, parts in (prompt_logprobs or {}).items()}
+        # By request: the pooled hidden states of each pooling request whose prompt this step completed.
+        self._pooled = {request_id: t.to("cpu", non_blocking=True) for request_id, t in (pooled or {}).items()}
         self._deferred = deferred
         self._device = device
         self._when_resolved: list[Callable[[], None]] = []  # called once, when the tokens reach the host
@@ -166,6 +170,13 @@ class StepOutput:
             return token_ids, [None] * len(token_ids)
         return token_ids, logprobs_rows(token_ids, *self._logprobs, self._wanted)
 
+    def pooled(self) -> dict[str, torch.Tensor]:
+        """By request: a completed pooling request's output, on the host (float32)."""
+        self.finish()
+        if self._pooled and self._done is not None:
+            self._done.synchronize()
+        return self._pooled
+
     def prompt_logprobs(self) -> dict[str, list[LogprobsRow]]:
         """By request: one row per prompt token this step predicted (its chunk's next tokens)."""
         self.finish()
@@ -196,7 +207,7 @@ class SamplerContractError(RuntimeError):
 
 class ModelRunner:
     def __init__(self, model: nn.Module, hooks: ActiveHooks, device: torch.device, block_size: int,
-                 attention_backend: ModuleType, seed: int, input_batch: InputBatch):
+                 attention_backend: ModuleType, seed: int, input_batch: InputBatch, pooler: Pooler | None = None):
         self.model = model
         self.hooks = hooks
         self.device = device
@@ -207,6 +218,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = input_batch  # the rows of the requests the runner has run and may run next
+        self.pooler = pooler  # the pooling runner's (hookllm.worker.pooler); None when generating
         # Penalties, logit bias, allowed tokens, bad words: device state for the requests using them.
         self.logits_adjuster = LogitsAdjuster(device)
         # Requests whose prompt logprobs are not all computed yet: the first prompt position whose
@@ -223,6 +235,8 @@ class ModelRunner:
             self.input_batch.remove(request_id)
         for request_id in scheduler_output.finished_request_ids:
             self.input_batch.remove(request_id)
+            if self.pooler is not None:
+                self.pooler.remove(request_id)
             state = self.requests.pop(request_id, None)
             if state is not None:
                 self.hooks.hook.worker_request_finished(request=state, model=self.model, context=self.hooks.context)
@@ -233,7 +247,7 @@ class ModelRunner:
         for new in scheduler_output.new_requests:
             self.requests[new.request_id] = CachedRequestState(
                 new.request_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.sampling_params,
-                list(new.mm_items))
+                list(new.mm_items), pooling_params=new.pooling_params)
             self.logits_adjuster.add(self.requests[new.request_id])
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_logprob_ids[new.request_id] = 0
@@ -377,15 +391,17 @@ class ModelRunner:
         if self.stage is not None and not self.stage.is_last:
             return None  # the last stage samples
         prompt_logprobs = self._prompt_logprobs(batch, hidden_states, inputs) if self.prompt_logprob_ids else None
+        pooled = (self.pooler.pool(hidden_states, batch, inputs.query_start, scheduler_output.pooling_rows)
+                  if self.pooler is not None else None)
         if not batch.sampling_requests:
-            if not prompt_logprobs:
+            if not prompt_logprobs and not pooled:
                 return None
-            # Nothing sampled, but the engine must read the prompt logprobs. The next step may
+            # Nothing sampled, but the engine must read the prompt logprobs or pooled outputs. The next step may
             # take this as its in-flight step: it carries the previous step's tokens (which the
             # engine ignores here, as this step has no sampling rows).
             sampled, request_ids = ((previous.sampled, previous.request_ids) if previous is not None
                                     else (torch.empty(0, dtype=torch.long, device=self.device), []))
-            return StepOutput(request_ids, SampledTokens(sampled), prompt_logprobs)
+            return StepOutput(request_ids, SampledTokens(sampled), prompt_logprobs, pooled=pooled)
         # In a decode-only step every row samples: no gather needed.
         if len(batch.sampling_requests) < hidden_states.shape[0]:
             hidden_states = hidden_states[inputs.logits_indices]
@@ -398,11 +414,11 @@ class ModelRunner:
             early_errors: list[Exception] = []
             previous.when_resolved(partial(_tokens_ready, jobs, early_errors))
             running = self._job_thread().submit(_run_jobs, jobs)
-            return StepOutput(request_ids, prompt_logprobs=prompt_logprobs, device=self.device,
+            return StepOutput(request_ids, prompt_logprobs=prompt_logprobs, device=self.device, pooled=pooled,
                               deferred=partial(self._sample_after_jobs, running, early_errors, logits, batch, adjusted,
                                                jobs))
         _run_jobs(jobs)
-        return StepOutput(request_ids, self._sample(logits, batch, adjusted, jobs), prompt_logprobs)
+        return StepOutput(request_ids, self._sample(logits, batch, adjusted, jobs), prompt_logprobs, pooled=pooled)
 
     def _job_thread(self) -> ThreadPoolExecutor:
         """The one background thread that runs logits jobs, made for the first deferred step."""

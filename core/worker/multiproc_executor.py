@@ -20,6 +20,8 @@ from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
+import torch
+
 from hookllm.config import EngineConfig
 from hookllm.outputs import LogprobsRow
 from hookllm.sched.output import SchedulerOutput
@@ -135,12 +137,13 @@ class _ResultSender:
                 step_output = self.pending.pop(0)
             if step_output is StopIteration:
                 return
-            self.conn.send(("result", (step_output.resolve(), step_output.prompt_logprobs())
+            self.conn.send(("result", (step_output.resolve(), step_output.prompt_logprobs(), step_output.pooled())
                                       if step_output is not None else None))
 
 
-# The reporting rank's answer for one step: (token ids, logprobs entries) and the prompt logprobs by request.
-RankAnswer = tuple[tuple[list[int], list[LogprobsRow | None]], dict[str, list[LogprobsRow]]]
+# The reporting rank's answer for one step: (token ids, logprobs entries), the prompt logprobs by
+# request and the pooled outputs by request.
+RankAnswer = tuple[tuple[list[int], list[LogprobsRow | None]], dict[str, list[LogprobsRow]], dict[str, torch.Tensor]]
 
 
 class RemoteStepOutput:
@@ -161,6 +164,9 @@ class RemoteStepOutput:
 
     def prompt_logprobs(self) -> dict[str, list[LogprobsRow]]:
         return self._answer()[1]
+
+    def pooled(self) -> dict[str, torch.Tensor]:
+        return self._answer()[2]
 
     def token_ids(self) -> list[int]:
         return self.resolve()[0]

@@ -27,6 +27,7 @@ from hookllm.layers.attention import Attention
 from hookllm.worker import default_hooks
 from hookllm.worker.kv_cache_groups import group_layers
 from hookllm.worker.input_batch import InputBatch
+from hookllm.worker.pooler import Pooler
 from hookllm.worker.model_runner import ModelRunner, StepOutput
 from hookllm.worker.pipeline_stage import PipelineStage
 from hookllm.plugins.components import ComponentKind
@@ -52,7 +53,8 @@ def resolve_model(config: EngineConfig, plugin_manager: PluginManager) -> tuple[
     core defaults."""
     selected = plugin_manager.check_selected(config.plugins)
     device = resolve_device(config.device)
-    model_config = ModelConfig.from_path(config.model, resolve_dtype(config.dtype, device), config.max_model_len)
+    model_config = ModelConfig.from_path(config.model, resolve_dtype(config.dtype, device), config.max_model_len,
+                                         config.runner)
     registry = plugin_manager.registry
     owner = registry.owner(model_config.architecture, selected, config.model_impl)
     model_config.plugin = owner
@@ -139,7 +141,8 @@ class Worker:
         phase("host_swap_cache")
         self.runner = ModelRunner(model, hooks, self.device, config.block_size, self.attention_backend, config.seed,
                                   InputBatch(self.kv_cache_groups.num_groups, self.device, config.max_num_seqs,
-                                             -(-model_config.max_model_len // config.block_size)))
+                                             -(-model_config.max_model_len // config.block_size)),
+                                  Pooler(model_config.pooler) if model_config.pooler is not None else None)
         if config.pipeline_parallel_size > 1:
             self.runner.stage = PipelineStage(capability(model, "pipeline_intermediate_count"),
                                               text_config_of(model_config.hf_config).hidden_size, self.dtype, self.device)

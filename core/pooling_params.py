@@ -1,0 +1,97 @@
+"""Per-request pooling settings (vLLM's ``PoolingParams``) and how a checkpoint pools.
+
+A pooling request runs one forward pass over its prompt and returns hidden states instead of
+tokens: ``embed`` one vector per prompt (the model's pooling, then ``dimensions`` and
+normalization), ``encode`` the last layer's hidden state of every prompt token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+POOLING_TASKS = ("embed", "encode")
+POOLING_TYPES = ("last", "mean", "cls")
+# sentence-transformers' pooling modes (1_Pooling/config.json) that hookllm computes.
+SENTENCE_TRANSFORMERS_MODES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
+
+
+@dataclass
+class PoolingParams:
+    """How to pool one request. ``dimensions`` keeps the first n values of an embedding (a
+    Matryoshka-trained model's), before normalization; ``normalize`` None is the model's default."""
+
+    task: str = "embed"
+    dimensions: int | None = None
+    normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last n tokens
+    extra_args: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.task not in POOLING_TASKS:
+            raise ValueError(f"pooling task must be one of {', '.join(POOLING_TASKS)}, got {self.task!r}")
+        if self.dimensions is not None and (not isinstance(self.dimensions, int) or self.dimensions < 1):
+            raise ValueError(f"dimensions must be a positive int, got {self.dimensions!r}")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise ValueError(f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}")
+        if self.task == "encode" and self.dimensions is not None:
+            raise ValueError("dimensions applies to the embed task only")
+
+
+@dataclass
+class PoolerConfig:
+    """How a checkpoint pools a prompt into one embedding: the hidden state of its ``last`` or
+    first (``cls``) token, or their ``mean``; ``normalize``: to unit length by default.
+    ``matryoshka``: whether a request may ask for fewer ``dimensions``."""
+
+    pooling_type: str = "last"
+    normalize: bool = True
+    matryoshka: bool = False
+
+    @classmethod
+    def for_checkpoint(cls, path: str | Path, hf_config: Any) -> "PoolerConfig | None":
+        """The sentence-transformers pipeline in ``path`` (``modules.json``: a Transformer, a
+        Pooling module, optionally Normalize), or None when the folder has none. ``ValueError``
+        for a module hookllm does not compute (a Dense projection, max pooling)."""
+        folder = Path(path)
+        modules_file = folder / "modules.json"
+        if not modules_file.is_file():
+            return None
+        kinds = {module["type"].rsplit(".", 1)[-1]: module for module in json.loads(modules_file.read_text())}
+        unknown = set(kinds) - {"Transformer", "Pooling", "Normalize"}
+        if unknown:
+            raise ValueError(f"{modules_file}: sentence-transformers modules {sorted(unknown)} are not supported "
+                             "(hookllm computes Transformer, Pooling and Normalize)")
+        pooling_type = "cls"  # a Transformer alone: sentence-transformers' default for BERT-style models
+        if "Pooling" in kinds:
+            pooling_type = _pooling_type(folder / kinds["Pooling"]["path"] / "config.json")
+        return cls(pooling_type, "Normalize" in kinds, is_matryoshka(hf_config))
+
+    @classmethod
+    def default(cls, hf_config: Any) -> "PoolerConfig":
+        """A causal LM's embedding without a sentence-transformers pipeline: its last token, normalized."""
+        return cls("last", True, is_matryoshka(hf_config))
+
+
+def is_matryoshka(hf_config: Any) -> bool:
+    """Whether the checkpoint's config says its embeddings may be cut (vLLM reads the same keys)."""
+    return bool(getattr(hf_config, "is_matryoshka", False) or getattr(hf_config, "matryoshka_dimensions", None))
+
+
+def _pooling_type(config_file: Path) -> str:
+    """The one pooling mode of a sentence-transformers Pooling config: ``pooling_mode`` (recent
+    releases) or the ``pooling_mode_*`` flags (older ones)."""
+    config = json.loads(config_file.read_text())
+    modes = config.get("pooling_mode")
+    if modes is None:
+        flags = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
+                 "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                 "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+        modes = [mode for flag, mode in flags.items() if config.get(flag)]
+    modes = [modes] if isinstance(modes, str) else list(modes)
+    if len(modes) != 1 or modes[0] not in SENTENCE_TRANSFORMERS_MODES:
+        raise ValueError(f"{config_file}: pooling {modes} is not supported (one of "
+                         f"{', '.join(SENTENCE_TRANSFORMERS_MODES)})")
+    return SENTENCE_TRANSFORMERS_MODES[modes[0]]

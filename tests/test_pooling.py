@@ -1,0 +1,115 @@
+"""The pooling runner: embeddings and per-token hidden states of a causal LM, against
+sentence-transformers on the same tiny random checkpoint (its pipeline read from the folder),
+across mixed lengths, chunked prefill and a prompt recomputed after a preemption."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from hookllm import LLM, PoolingParams, SamplingParams, testing
+from hookllm.pooling_params import PoolerConfig
+from hookllm.worker.batch import Batch, CachedRequestState
+from hookllm.worker.pooler import Pooler
+from pooling_fixtures import sentence_transformer
+
+# No text ends in a space: sentence-transformers before 6 strips its inputs (hookllm, as vLLM, does not).
+TEXTS = ["hello world", " ".join("abcdefghijklmnopqrstuvwxyz" * 3), "x", "the quick brown fox"]
+
+
+@pytest.fixture(scope="module", params=[("lasttoken", True), ("mean", False), ("cls", True)],
+                ids=["last-normalized", "mean", "cls-normalized"])
+def embedding_model(request, tiny_llama_dir, tmp_path_factory):
+    mode, normalize = request.param
+    folder = tmp_path_factory.mktemp(f"st-{mode}")
+    return sentence_transformer(tiny_llama_dir, folder, mode, normalize), folder
+
+
+def test_embeddings_equal_sentence_transformers(embedding_model):
+    reference, folder = embedding_model
+    llm = LLM(str(folder), dtype="float32", device="cpu")  # the pooling runner: the folder has modules.json
+    outputs = llm.embed(TEXTS)
+    want = reference.encode(TEXTS, convert_to_tensor=True)
+    got = torch.tensor([o.outputs.embedding for o in outputs])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_prefill_changes_no_embedding(embedding_model):
+    reference, folder = embedding_model
+    want = reference.encode(TEXTS * 3, convert_to_tensor=True)
+    llm = LLM(str(folder), dtype="float32", device="cpu", max_num_batched_tokens=16, num_kv_blocks=12)
+    batches = testing.record_batches(llm.engine)
+    got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS * 3)])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert any(len(b.pooling_rows) < len(b.request_ids) for b in batches), "no prompt was chunked"
+    testing.assert_all_blocks_free(llm)
+
+
+def test_a_prompt_recomputed_after_a_preemption_pools_from_its_start():
+    pooler = Pooler(PoolerConfig("mean", normalize=False))
+    request = CachedRequestState("r", list(range(6)), 6, SamplingParams(), pooling_params=PoolingParams())
+    hidden = torch.randn(6, 4)
+
+    def chunk(start: int, end: int, completes: bool) -> dict:
+        request.num_computed_tokens = start
+        batch = Batch([request], [end - start], [], [], torch.Generator())
+        return pooler.pool(hidden[start:end], batch, [0, end - start], [0] if completes else [])
+
+    chunk(0, 4, completes=False)
+    # Preempted: its blocks were freed and it starts over from token 0, then completes in two chunks.
+    chunk(0, 3, completes=False)
+    [pooled] = chunk(3, 6, completes=True).values()
+    torch.testing.assert_close(pooled, hidden.mean(dim=0))
+    assert not pooler.partial
+
+
+def test_encode_gives_every_prompt_tokens_last_hidden_state(tiny_llama_dir, tiny_llama_reference):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", runner="pooling", max_num_batched_tokens=16)
+    prompt = list(range(3, 40))
+    [output] = llm.encode([prompt])
+    with torch.no_grad():
+        want = tiny_llama_reference.model(torch.tensor([prompt])).last_hidden_state[0]
+    assert output.outputs.data.shape == (len(prompt), want.shape[-1])
+    torch.testing.assert_close(output.outputs.data, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_causal_lm_embeds_with_its_last_token_normalized(tiny_llama_dir, tiny_llama_reference):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", runner="pooling")
+    prompt = [5, 6, 7, 8, 9]
+    [output] = llm.embed([prompt])
+    with torch.no_grad():
+        last = tiny_llama_reference.model(torch.tensor([prompt])).last_hidden_state[0, -1]
+    torch.testing.assert_close(torch.tensor(output.outputs.embedding), torch.nn.functional.normalize(last, dim=0),
+                               atol=1e-5, rtol=1e-5)
+    unnormalized = llm.embed([prompt], PoolingParams(normalize=False))[0].outputs.embedding
+    torch.testing.assert_close(torch.tensor(unnormalized), last, atol=1e-5, rtol=1e-5)
+
+
+def test_dimensions_cut_a_matryoshka_models_embedding_before_normalizing(tiny_llama_dir, tmp_path):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", runner="pooling")
+    with pytest.raises(ValueError, match="Matryoshka"):
+        llm.embed(["hi"], PoolingParams(dimensions=8))
+    shutil.copytree(tiny_llama_dir, tmp_path / "matryoshka")
+    config = json.loads((tmp_path / "matryoshka" / "config.json").read_text())
+    (tmp_path / "matryoshka" / "config.json").write_text(json.dumps({**config, "is_matryoshka": True}))
+    llm = LLM(str(tmp_path / "matryoshka"), dtype="float32", device="cpu", runner="pooling")
+    with pytest.raises(ValueError, match="over the model's embedding size"):
+        llm.embed(["hi"], PoolingParams(dimensions=10_000))
+    full = torch.tensor(llm.embed(["hi"], PoolingParams(normalize=False))[0].outputs.embedding)
+    [output] = llm.embed(["hi"], PoolingParams(dimensions=8))
+    torch.testing.assert_close(torch.tensor(output.outputs.embedding), torch.nn.functional.normalize(full[:8], dim=0))
+
+
+def test_a_generation_request_to_a_pooling_model_names_the_runner(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", runner="pooling")
+    with pytest.raises(ValueError, match="pooling runner"):
+        llm.generate(["hi"], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="empty"):
+        llm.embed([])
+    assert llm.embed(["still serving"])[0].outputs.hidden_size > 0
+
+
+def test_a_pooling_request_to_a_generation_model_names_the_runner(make_llm):
+    with pytest.raises(ValueError, match="generate runner"):
+        make_llm().embed(["hi"])
