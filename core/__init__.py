@@ -4,8 +4,8 @@ from hookllm.plugins.hookspecs import hookimpl
 from hookllm.sampling_params import RequestOutputKind, SamplingParams
 from hookllm.pooling_params import PoolingParams
 from hookllm.inputs import TextPrompt, TokensPrompt
-from hookllm.outputs import (CompletionOutput, EmbeddingRequestOutput, Logprob, PoolingRequestOutput, RequestMetrics,
-                             RequestOutput)
+from hookllm.outputs import (ClassificationRequestOutput, CompletionOutput, EmbeddingRequestOutput, Logprob,
+                             PoolingRequestOutput, RequestMetrics, RequestOutput, ScoringRequestOutput)
 from hookllm.config import EngineConfig
 from hookllm.engine.arg_utils import EngineArgs
 from hookllm.engine.llm_engine import LLMEngine
@@ -17,4 +17,4 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "EngineConfig", "SamplingParams", "RequestOutputKind", "TextPrompt",
            "TokensPrompt", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "hookimpl",
            "SamplerContractError", "BeamSearchParams", "BeamSearchOutput", "PoolingParams", "PoolingRequestOutput",
-           "EmbeddingRequestOutput"]
+           "EmbeddingRequestOutput", "ClassificationRequestOutput", "ScoringRequestOutput"]

@@ -114,13 +114,22 @@ class ModelConfig:
             max_model_len = limit or 2048
         elif limit and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
-        pooler = PoolerConfig.for_checkpoint(path, hf_config)
+        architecture, weight_prefix = architectures[0], ""
+        classifier = architecture.endswith("ForSequenceClassification")
+        pooler = PoolerConfig.classifier(hf_config) if classifier else PoolerConfig.for_checkpoint(path, hf_config)
         if runner == "auto":
             runner = "pooling" if pooler is not None else "generate"
-        architecture, weight_prefix = architectures[0], ""
+        if classifier and runner != "pooling":
+            raise ValueError(f"{architecture} is a classifier: it runs with the pooling runner (LLM.classify, "
+                             "LLM.score), not --runner generate")
         if runner == "pooling":
             pooler = pooler or PoolerConfig.default(hf_config)
-            if architecture.endswith("Model") and not architecture.endswith("PreTrainedModel"):
+            if classifier:
+                # Its decoder is the causal LM's, under the same names; its head (score.weight) is
+                # the pooler's, and it has no LM head of its own.
+                architecture = architecture[:-len("ForSequenceClassification")] + "ForCausalLM"
+                text.tie_word_embeddings = True
+            elif architecture.endswith("Model") and not architecture.endswith("PreTrainedModel"):
                 # sentence-transformers saves a decoder's base model (LlamaModel, tensors named
                 # without "model."): its causal LM class serves it, the head tied to the
                 # embedding (it has none of its own, and the pooling runner computes no logits).
@@ -147,6 +156,9 @@ class EngineConfig:
     model: str = _option(None, "a local folder (config.json + safetensors) or a Hugging Face hub id "
                                "(Qwen/Qwen3-0.6B); default: SmolLM2-135M-Instruct")
     plugins: list[str] = _option(list, "activate an installed plugin (repeatable)", flag="--plugin", metavar="NAME")
+    pooler: str | None = _option(None, "the pooling runner's pooling: last, mean, cls, or a plugin's pooler "
+                                 "(hookllm plugins lists them); default: the checkpoint's (its sentence-transformers "
+                                 "pipeline), else last")
     runner: str = _option("auto", "generate tokens, or pool hidden states (embeddings: LLM.embed, /v1/embeddings); "
                           "auto: pooling for a checkpoint with a sentence-transformers pipeline (modules.json)",
                           choices=["auto", "generate", "pooling"])

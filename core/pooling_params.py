@@ -2,7 +2,9 @@
 
 A pooling request runs one forward pass over its prompt and returns hidden states instead of
 tokens: ``embed`` one vector per prompt (the model's pooling, then ``dimensions`` and
-normalization), ``encode`` the last layer's hidden state of every prompt token.
+normalization), ``encode`` the last layer's hidden state of every prompt token, ``classify``
+(and ``score``, a cross-encoder's one label over a pair of texts) a classification head's
+probabilities over the last token.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-POOLING_TASKS = ("embed", "encode")
+POOLING_TASKS = ("embed", "encode", "classify", "score")
 POOLING_TYPES = ("last", "mean", "cls")
 # sentence-transformers' pooling modes (1_Pooling/config.json) that hookllm computes.
 SENTENCE_TRANSFORMERS_MODES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
@@ -21,11 +23,14 @@ SENTENCE_TRANSFORMERS_MODES = {"lasttoken": "last", "mean": "mean", "cls": "cls"
 @dataclass
 class PoolingParams:
     """How to pool one request. ``dimensions`` keeps the first n values of an embedding (a
-    Matryoshka-trained model's), before normalization; ``normalize`` None is the model's default."""
+    Matryoshka-trained model's), before normalization; ``normalize`` None is the model's default.
+    ``activation``: a classification's softmax over its labels (a sigmoid for one label); off,
+    the head's raw logits."""
 
     task: str = "embed"
     dimensions: int | None = None
     normalize: bool | None = None
+    activation: bool = True
     truncate_prompt_tokens: int | None = None  # keep the prompt's last n tokens
     extra_args: dict[str, Any] | None = None
 
@@ -36,19 +41,26 @@ class PoolingParams:
             raise ValueError(f"dimensions must be a positive int, got {self.dimensions!r}")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             raise ValueError(f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}")
-        if self.task == "encode" and self.dimensions is not None:
-            raise ValueError("dimensions applies to the embed task only")
+        if self.task != "embed" and self.dimensions is not None:
+            raise ValueError(f"dimensions applies to the embed task only, not {self.task}")
 
 
 @dataclass
 class PoolerConfig:
     """How a checkpoint pools a prompt into one embedding: the hidden state of its ``last`` or
     first (``cls``) token, or their ``mean``; ``normalize``: to unit length by default.
-    ``matryoshka``: whether a request may ask for fewer ``dimensions``."""
+    ``matryoshka``: whether a request may ask for fewer ``dimensions``. ``head``: the checkpoint
+    tensor of a classification head (``score.weight``, ``[labels, hidden]``) and ``labels`` its
+    labels' names."""
 
     pooling_type: str = "last"
     normalize: bool = True
     matryoshka: bool = False
+    head: str | None = None
+    labels: list[str] | None = None
+    # A plugin's pooler (``--pooler NAME``, ``Components.add_pooler``): every prompt token's
+    # hidden state and the request in, the embedding out; pooling_type is then its name.
+    custom: Callable[[Any, Any], Any] | None = None
 
     @classmethod
     def for_checkpoint(cls, path: str | Path, hf_config: Any) -> "PoolerConfig | None":
@@ -68,6 +80,15 @@ class PoolerConfig:
         if "Pooling" in kinds:
             pooling_type = _pooling_type(folder / kinds["Pooling"]["path"] / "config.json")
         return cls(pooling_type, "Normalize" in kinds, is_matryoshka(hf_config))
+
+    @classmethod
+    def classifier(cls, hf_config: Any) -> "PoolerConfig":
+        """A ``*ForSequenceClassification`` checkpoint's: its ``score`` head over the last token
+        (transformers' own pooling for decoder classifiers)."""
+        num_labels = len(getattr(hf_config, "id2label", None) or {}) or getattr(hf_config, "num_labels", 2)
+        id2label = getattr(hf_config, "id2label", None) or {}
+        labels = [str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels)]
+        return cls("last", False, False, head="score.weight", labels=labels)
 
     @classmethod
     def default(cls, hf_config: Any) -> "PoolerConfig":

@@ -9,9 +9,11 @@ per installed plugin (``PluginInfo.components``) and looks names up across them.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 if TYPE_CHECKING:
+    import torch
+
     from hookllm.plugins.quantization import QuantizationMethod
     from hookllm.plugins.reasoning_parser import ReasoningParser
     from hookllm.plugins.tool_parser import ToolParser
@@ -24,6 +26,7 @@ class ComponentKind(enum.Enum):
     REASONING_PARSER = "reasoning parser"
     QUANTIZATION_METHOD = "quantization method"
     STRUCTURED_OUTPUT_BACKEND = "structured output backend"
+    POOLER = "pooler"
 
     @property
     def listing_key(self) -> str:
@@ -62,6 +65,12 @@ class Components:
         """A structured output backend enforcing ``kinds`` (``json``, ``regex``, ``choice``,
         ``grammar``, ``json_object``); the plugin enforces them with its other hooks."""
         self.add(ComponentKind.STRUCTURED_OUTPUT_BACKEND, name, tuple(kinds))
+
+    def add_pooler(self, name: str, pooler: Callable[[torch.Tensor, Any], torch.Tensor]) -> None:
+        """``--pooler NAME``: the pooling runner's embedding of a prompt, ``pooler(hidden_states,
+        request)`` with every prompt token's last hidden state (``[tokens, hidden]`` float32 on the
+        device) and the request's ``CachedRequestState``, returning a 1-D tensor on the device."""
+        self.add(ComponentKind.POOLER, name, pooler)
 
     def names(self, kind: ComponentKind) -> list[str]:
         return sorted(self.by_kind[kind])

@@ -159,6 +159,11 @@ def register_components(components: Components) -> None:
       the constraints with its other hooks (it claims ``structured_outputs`` with
       ``claim_request_parameters`` and takes it in ``preprocess_request``); one whose backend
       needs a library that is missing registers nothing.
+    - ``components.add_pooler(name, pooler)``: ``--pooler NAME`` on the pooling runner
+      (docs/pooling.md). ``pooler(hidden_states, request)`` gets every prompt token's last hidden
+      state (``[tokens, hidden]`` float32, on the device; a chunked prompt's chunks joined) and the
+      request's ``CachedRequestState``, and returns the embedding (1-D, on the device), which
+      ``dimensions`` and normalization then apply to.
 
     A tool parser for a model that writes ``<call>get_weather {"city": "Paris"}</call>``, and a
     reasoning parser for other markers::

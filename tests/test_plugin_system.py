@@ -9,8 +9,9 @@ import types
 from typing import Callable
 
 import pytest
+import torch
 
-from hookllm import LLM, EngineConfig, LLMEngine, SamplingParams, testing
+from hookllm import LLM, EngineConfig, LLMEngine, PoolingParams, SamplingParams, testing
 from hookllm.entrypoints.cli import main
 from hookllm.worker.model_runner import SamplerContractError
 from hookllm.plugins.manager import PluginManager
@@ -393,3 +394,25 @@ def test_tool_choice_required_without_a_json_schema_backend_is_a_400_saying_what
                                           r"for JSON schemas") as error:
         required_tool_choice(make_llm(plugins=plugins).engine)
     assert (error.value.status, error.value.param) == (400, "tool_choice")
+
+
+def test_a_plugins_pooler_is_chosen_by_name(make_plugin, tiny_llama_dir, tiny_llama_reference):
+    make_plugin("maxpool", """
+        from hookllm import hookimpl
+
+        def max_over_tokens(hidden_states, request):
+            return hidden_states.max(dim=0).values
+
+        @hookimpl
+        def register_components(components):
+            components.add_pooler("max", max_over_tokens)
+    """)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", runner="pooling", pooler="max",
+              max_num_batched_tokens=16)  # the pooler sees the whole prompt, chunks joined
+    prompt = list(range(3, 40))
+    [output] = llm.embed([prompt], PoolingParams(normalize=False))
+    with torch.no_grad():
+        want = tiny_llama_reference.model(torch.tensor([prompt])).last_hidden_state[0].max(dim=0).values
+    torch.testing.assert_close(torch.tensor(output.outputs.embedding), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="no installed plugin provides a pooler named 'nope'"):
+        LLM(str(tiny_llama_dir), dtype="float32", device="cpu", runner="pooling", pooler="nope")

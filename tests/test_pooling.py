@@ -113,3 +113,16 @@ def test_a_generation_request_to_a_pooling_model_names_the_runner(tiny_llama_dir
 def test_a_pooling_request_to_a_generation_model_names_the_runner(make_llm):
     with pytest.raises(ValueError, match="generate runner"):
         make_llm().embed(["hi"])
+
+
+def test_a_pooling_engine_and_a_generating_one_serve_side_by_side(tiny_llama_dir, tiny_llama_reference):
+    generating = LLM(str(tiny_llama_dir), dtype="float32", device="cpu")
+    pooling = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", runner="pooling")
+    prompt = [5, 6, 7, 8, 9]
+    tokens = generating.generate({"prompt_token_ids": prompt}, testing.greedy(4), use_tqdm=False)[0].outputs[0].token_ids
+    [embedding] = pooling.embed([prompt], PoolingParams(normalize=False), use_tqdm=False)
+    with torch.no_grad():
+        want = tiny_llama_reference.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, 5:]
+        last = tiny_llama_reference.model(torch.tensor([prompt])).last_hidden_state[0, -1]
+    assert tokens == want.tolist()
+    torch.testing.assert_close(torch.tensor(embedding.outputs.embedding), last, atol=1e-5, rtol=1e-5)

@@ -71,6 +71,9 @@ class InputProcessor:
 
     def _pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams) -> EngineCoreRequest:
         pooler = self.model_config.pooler
+        if params.task in ("classify", "score") and pooler.head is None:
+            raise ValueError(f"request {request_id}: the {params.task} task needs a classification head: "
+                             f"{self.config.model} has none (a *ForSequenceClassification checkpoint has one)")
         hidden_size = text_config_of(self.model_config.hf_config).hidden_size
         if params.dimensions is not None:
             if not pooler.matryoshka:

@@ -11,10 +11,12 @@ from typing import Any, Callable, Sequence
 
 from hookllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from hookllm.entrypoints.chat import render_chat
+from hookllm.entrypoints.scoring import is_cross_encoder, pair_prompts, pair_texts
 from hookllm.config import EngineConfig
 from hookllm.engine.llm_engine import LLMEngine
 from hookllm.inputs import PromptType
-from hookllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from hookllm.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
+                             ScoringOutput, ScoringRequestOutput)
 from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -130,6 +132,31 @@ class LLM:
         cut to ``pooling_params.dimensions`` and normalized as the checkpoint's pipeline says."""
         params = dataclasses.replace(pooling_params or PoolingParams(), task="embed")
         return [EmbeddingRequestOutput.from_base(output) for output in self.encode(prompts, params, use_tqdm)]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """A classifier's (a ``*ForSequenceClassification`` checkpoint's) probabilities over its
+        labels for each prompt: ``outputs.probs``, in the order of ``config.id2label``."""
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="classify")
+        return [ClassificationRequestOutput.from_base(output) for output in self.encode(prompts, params, use_tqdm)]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """How well each ``text_2`` answers its ``text_1`` (one ``text_1`` for every ``text_2``, or
+        lists of one length, paired in order). A cross-encoder (a classifier of one label) reads
+        each pair as the tokenizer joins two texts and gives its probability; an embedding model
+        gives the cosine similarity of the two texts' embeddings."""
+        firsts, seconds = pair_texts(text_1, text_2)
+        if is_cross_encoder(self.engine.model_config.pooler, self.engine.config.model):
+            params = dataclasses.replace(pooling_params or PoolingParams(), task="score")
+            outputs = self.encode(pair_prompts(self.get_tokenizer(), firsts, seconds), params, use_tqdm)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])), o.prompt_token_ids)
+                    for o in outputs]
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="embed", normalize=True)
+        embeddings = self.encode(firsts + seconds, params, use_tqdm)
+        pairs = zip(embeddings[:len(firsts)], embeddings[len(firsts):])
+        return [ScoringRequestOutput(second.request_id, ScoringOutput(float(first.outputs.data @ second.outputs.data)),
+                                     first.prompt_token_ids + second.prompt_token_ids) for first, second in pairs]
 
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams | PoolingParams]) -> list[str]:
         """Queue one request per prompt; if any is refused (or adding it raises anything), none

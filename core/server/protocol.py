@@ -498,15 +498,96 @@ class EmbeddingData(BaseModel):
     embedding: list[float] | str  # base64 of little-endian float32 with encoding_format "base64"
 
 
-class EmbeddingUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-
-
 class EmbeddingResponse(BaseModel):
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     data: list[EmbeddingData]
-    usage: EmbeddingUsage
+    usage: "PoolingUsage"
+
+
+class ClassificationRequest(OpenAIModel):
+    """vLLM's ``POST /classify``."""
+
+    model: str | None = None
+    input: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    activation: bool = True
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str  # the most probable label's name (config.id2label)
+    probs: list[float]
+    num_classes: int
+
+
+class PoolingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class ClassificationResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ClassificationData]
+    usage: PoolingUsage
+
+
+class ScoreRequest(OpenAIModel):
+    """vLLM's ``POST /score``: ``text_1`` against each ``text_2`` (or two lists of one length)."""
+
+    model: str | None = None
+    text_1: str | Annotated[list[str], Field(min_length=1)]
+    text_2: str | Annotated[list[str], Field(min_length=1)]
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: PoolingUsage
+
+
+class RerankRequest(OpenAIModel):
+    """``POST /rerank`` and ``/v1/rerank``: the Jina and Cohere request shape."""
+
+    model: str | None = None
+    query: str
+    documents: Annotated[list[str], Field(min_length=1)]
+    top_n: int | None = Field(None, ge=1)
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int  # the document's index in the request
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]  # best first

@@ -1,53 +1,95 @@
-"""``POST /v1/embeddings``: one pooling request per input, on a model served by the pooling
-runner (``--runner pooling``, or a checkpoint with a sentence-transformers pipeline)."""
+"""The pooling routes, on a model served by the pooling runner (``--runner pooling``, a
+checkpoint with a sentence-transformers pipeline, or a ``*ForSequenceClassification`` one):
+``POST /v1/embeddings`` (OpenAI's), ``/classify`` and ``/score`` (vLLM's), ``/rerank`` and
+``/v1/rerank`` (the Jina and Cohere shape). Each input is one pooling request."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import uuid
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from hookllm.engine.async_llm import EngineDeadError, EngineStepError
+from hookllm.entrypoints.scoring import is_cross_encoder, pair_prompts, pair_texts
+from hookllm.outputs import PoolingRequestOutput
 from hookllm.pooling_params import PoolingParams
 from hookllm.server.errors import OpenAIError, engine_error, error_responses
-from hookllm.server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
-from hookllm.server.state import server_state
+from hookllm.server.protocol import (ClassificationData, ClassificationRequest, ClassificationResponse, EmbeddingData,
+                                     EmbeddingRequest, EmbeddingResponse, PoolingUsage, RerankDocument, RerankRequest,
+                                     RerankResponse, RerankResult, RerankUsage, ScoreData, ScoreRequest, ScoreResponse)
+from hookllm.server.state import ServerState, server_state
 from hookllm.server.streaming import until_disconnect
 
 router = APIRouter()
+RESPONSES = error_responses(400, 404, 500, 503)
 
 
-@router.post("/v1/embeddings", response_model=EmbeddingResponse,
-             responses={200: {"description": "One embedding per input, in input order"},
-                        **error_responses(400, 404, 500, 503)})
+def inputs_of(value: Any) -> list[Any]:
+    """A request's ``input``: one string or token-id list, or a list of them."""
+    return value if isinstance(value, list) and not isinstance(value[0], int) else [value]
+
+
+def pooling_params(**fields: Any) -> PoolingParams:
+    """The request's ``PoolingParams``; a value they refuse is a 400 naming its field."""
+    try:
+        return PoolingParams(**fields)
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+
+
+async def pool(state: ServerState, prompts: list[Any], params: PoolingParams, kind: str) -> list[PoolingRequestOutput]:
+    """Run one pooling request per prompt; the engine's errors as HTTP errors."""
+    base_id = f"{kind}-{uuid.uuid4().hex}"
+    try:
+        return await asyncio.gather(*(state.engine.encode(prompt, params, f"{base_id}-{index}")
+                                      for index, prompt in enumerate(prompts)))
+    except (ValueError, EngineStepError, EngineDeadError) as exc:
+        raise engine_error(exc) from None
+
+
+def usage(outputs: list[PoolingRequestOutput]) -> PoolingUsage:
+    tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    return PoolingUsage(prompt_tokens=tokens, total_tokens=tokens)
+
+
+async def scores(state: ServerState, text_1: str | list[str], text_2: str | list[str],
+                 truncate_prompt_tokens: int | None) -> tuple[list[float], int]:
+    """Each pair's score (see ``LLM.score``) and the tokens read."""
+    try:
+        firsts, seconds = pair_texts(text_1, text_2)
+        cross = is_cross_encoder(state.engine.model_config.pooler, state.engine.config.model)
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc)) from None
+    if cross:
+        params = pooling_params(task="score", truncate_prompt_tokens=truncate_prompt_tokens)
+        outputs = await pool(state, pair_prompts(state.engine.tokenizer, firsts, seconds), params, "score")
+        return [float(output.outputs.data[0]) for output in outputs], usage(outputs).total_tokens
+    params = pooling_params(task="embed", normalize=True, truncate_prompt_tokens=truncate_prompt_tokens)
+    outputs = await pool(state, firsts + seconds, params, "score")
+    pairs = zip(outputs[:len(firsts)], outputs[len(firsts):])
+    return [float(first.outputs.data @ second.outputs.data) for first, second in pairs], usage(outputs).total_tokens
+
+
+@router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=RESPONSES)
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response | EmbeddingResponse:
     state = server_state(request)
     name = state.model_name(body.model)
-    inputs = body.input if isinstance(body.input, list) and not isinstance(body.input[0], int) else [body.input]
-    try:
-        params = PoolingParams(task="embed", dimensions=body.dimensions, normalize=body.normalize,
-                               truncate_prompt_tokens=body.truncate_prompt_tokens)
-    except ValueError as exc:
-        raise OpenAIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+    inputs = inputs_of(body.input)
+    params = pooling_params(task="embed", dimensions=body.dimensions, normalize=body.normalize,
+                            truncate_prompt_tokens=body.truncate_prompt_tokens)
     if not body.add_special_tokens:  # text inputs tokenized here, without the tokenizer's BOS
         inputs = [{"prompt": text, "prompt_token_ids": await state.engine.tokenize(text, add_special_tokens=False)}
                   if isinstance(text, str) else text for text in inputs]
-    base_id = f"embd-{uuid.uuid4().hex}"
 
     async def run() -> EmbeddingResponse:
-        try:
-            outputs = await asyncio.gather(*(state.engine.encode(text, params, f"{base_id}-{index}")
-                                             for index, text in enumerate(inputs)))
-        except (ValueError, EngineStepError, EngineDeadError) as exc:
-            raise engine_error(exc) from None
+        outputs = await pool(state, inputs, params, "embd")
         data = [EmbeddingData(index=index, embedding=embedding_value(output.outputs.data, body.encoding_format))
                 for index, output in enumerate(outputs)]
-        prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
-        return EmbeddingResponse(id=base_id, model=name, data=data,
-                                 usage=EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens))
+        return EmbeddingResponse(id=f"embd-{uuid.uuid4().hex}", model=name, data=data, usage=usage(outputs))
 
     return await until_disconnect(request, run())
 
@@ -57,3 +99,53 @@ def embedding_value(data, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(data.float().numpy().astype("<f4").tobytes()).decode("ascii")
     return data.tolist()
+
+
+@router.post("/classify", response_model=ClassificationResponse, responses=RESPONSES)
+async def create_classification(body: ClassificationRequest, request: Request) -> Response | ClassificationResponse:
+    state = server_state(request)
+    name = state.model_name(body.model)
+    params = pooling_params(task="classify", activation=body.activation,
+                            truncate_prompt_tokens=body.truncate_prompt_tokens)
+
+    async def run() -> ClassificationResponse:
+        outputs = await pool(state, inputs_of(body.input), params, "classify")
+        labels = state.engine.model_config.pooler.labels
+        data = [ClassificationData(index=index, label=labels[int(output.outputs.data.argmax())],
+                                   probs=output.outputs.data.tolist(), num_classes=len(labels))
+                for index, output in enumerate(outputs)]
+        return ClassificationResponse(id=f"classify-{uuid.uuid4().hex}", model=name, data=data, usage=usage(outputs))
+
+    return await until_disconnect(request, run())
+
+
+@router.post("/score", response_model=ScoreResponse, responses=RESPONSES)
+async def create_score(body: ScoreRequest, request: Request) -> Response | ScoreResponse:
+    state = server_state(request)
+    name = state.model_name(body.model)
+
+    async def run() -> ScoreResponse:
+        values, tokens = await scores(state, body.text_1, body.text_2, body.truncate_prompt_tokens)
+        return ScoreResponse(id=f"score-{uuid.uuid4().hex}", model=name,
+                             data=[ScoreData(index=index, score=value) for index, value in enumerate(values)],
+                             usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+    return await until_disconnect(request, run())
+
+
+@router.post("/rerank", response_model=RerankResponse, responses=RESPONSES)
+@router.post("/v1/rerank", response_model=RerankResponse, responses=RESPONSES)
+async def create_rerank(body: RerankRequest, request: Request) -> Response | RerankResponse:
+    state = server_state(request)
+    name = state.model_name(body.model)
+
+    async def run() -> RerankResponse:
+        values, tokens = await scores(state, body.query, body.documents, body.truncate_prompt_tokens)
+        ranked = sorted(range(len(values)), key=lambda index: values[index], reverse=True)[:body.top_n]
+        results = [RerankResult(index=index, relevance_score=values[index],
+                                document=RerankDocument(text=body.documents[index]) if body.return_documents else None)
+                   for index in ranked]
+        return RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=name, usage=RerankUsage(total_tokens=tokens),
+                              results=results)
+
+    return await until_disconnect(request, run())

@@ -26,8 +26,9 @@ def load_model(device: torch.device, dtype: torch.dtype, context: EngineContext)
         model = construct_model(model_cls, model_config.hf_config, registry, context.config.plugins)
         if model_config.quantization is not None:
             quantize_model(model, model_config.quantization)
+    pooler = model_config.pooler
     load_checkpoint(model, model_config.path, model_config.load_format, model_config.quantization,
-                    model_config.weight_prefix)
+                    model_config.weight_prefix, [pooler.head] if pooler is not None and pooler.head else [])
     return model.eval()
 
 

@@ -98,6 +98,15 @@ def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]
                 yield name, f.get_tensor(name)
 
 
+def load_tensor(model_dir: str | Path, name: str) -> torch.Tensor:
+    """One tensor of the checkpoint, by name; ``ValueError`` if no file has it."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    raise ValueError(f"{model_dir}: the checkpoint has no tensor {name!r}")
+
+
 def iterate_weight_slices(model_dir: str | Path) -> Iterator[tuple[str, Any]]:
     """Yield (name, lazy slice) for every tensor: ``safe_open(...).get_slice(name)`` objects
     whose ``[a:b]`` / ``[:, a:b]`` indexing reads only those elements, and ``get_shape()`` none.
@@ -132,7 +141,8 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, std: float = DUMMY
 
 
 def load_checkpoint(model: nn.Module, model_dir: str | Path, load_format: str = "auto",
-                    quantization: QuantizationMethod | None = None, name_prefix: str = "") -> None:
+                    quantization: QuantizationMethod | None = None, name_prefix: str = "",
+                    exclude: Sequence[str] = ()) -> None:
     """Load ``model``'s weights the way ``load_format`` says.
 
     ``"auto"`` / ``"safetensors"``: ``model.load_weights`` gets lazy slices
@@ -141,7 +151,7 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path, load_format: str = 
     (`iterate_weights`); through ``quantization.checkpoint_tensors`` when the model is
     quantized. ``"dummy"``: `initialize_dummy_weights`, no file is opened. Quantized layers then
     finish their weights (``process_weights_after_loading``). ``name_prefix`` goes before every
-    tensor's name.
+    tensor's name; the tensors named in ``exclude`` are not the model's (a pooler's head).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -150,8 +160,8 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path, load_format: str = 
     else:
         lazy = capability(model, "supports_tensor_parallel")
         weights = iterate_weight_slices(model_dir) if lazy else iterate_weights(model_dir)
-        if name_prefix:
-            weights = ((name_prefix + name, tensor) for name, tensor in weights)
+        if name_prefix or exclude:
+            weights = ((name_prefix + name, tensor) for name, tensor in weights if name not in exclude)
         if quantization is not None:
             weights = quantization.checkpoint_tensors(weights, model)
         model.load_weights(weights)

@@ -4,7 +4,9 @@ A pooling request's prompt may take several steps (chunked prefill): the pooler 
 earlier chunks leave (the sum of their rows for a mean, the first row for CLS, every row for
 the encode task) and, in the step whose chunk completes the prompt, returns its output on the
 device: ``embed`` one float32 vector (pooled, cut to ``dimensions``, normalized), ``encode``
-a ``[prompt tokens, hidden]`` float32 matrix. A prompt recomputed after a preemption starts over.
+a ``[prompt tokens, hidden]`` float32 matrix, ``classify`` and ``score`` the classification
+head's probabilities over the last token (a sigmoid for one label, else a softmax). A prompt
+recomputed after a preemption starts over.
 """
 
 from __future__ import annotations
@@ -12,15 +14,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hookllm.config import ModelConfig
 from hookllm.pooling_params import PoolerConfig
+from hookllm.worker.model_loader import load_tensor
 from hookllm.worker.batch import Batch
 
 
 class Pooler:
-    def __init__(self, config: PoolerConfig):
+    def __init__(self, config: PoolerConfig, head: torch.Tensor | None = None):
         self.config = config
+        self.head = head  # [labels, hidden] float32 on the device: a classifier's score head
         # By request: the pooled part of the chunks before this step.
         self.partial: dict[str, torch.Tensor | list[torch.Tensor]] = {}
+
+    @classmethod
+    def for_model(cls, model_config: ModelConfig, device: torch.device) -> "Pooler":
+        """The pooler of a model served by the pooling runner, its classification head (if any)
+        read from the checkpoint (random with ``load_format="dummy"``)."""
+        config = model_config.pooler
+        head = None
+        if config.head is not None:
+            head = (torch.randn(len(config.labels), model_config.hf_config.hidden_size) * 0.02
+                    if model_config.load_format == "dummy" else load_tensor(model_config.path, config.head))
+            head = head.to(device, torch.float32)
+        return cls(config, head)
 
     def remove(self, request_id: str) -> None:
         self.partial.pop(request_id, None)
@@ -35,10 +52,12 @@ class Pooler:
             params = request.pooling_params
             if params is None:
                 continue
-            rows = hidden_states[query_start[index]:query_start[index + 1]].float()
+            # A copy: the hidden states may be a CUDA graph's output buffer, which the next step
+            # overwrites while a chunked prompt's part is kept.
+            rows = hidden_states[query_start[index]:query_start[index + 1]].to(torch.float32, copy=True)
             request_id, first_chunk = request.request_id, request.num_computed_tokens == 0
             part = None if first_chunk else self.partial.get(request_id)
-            if params.task == "encode":
+            if params.task == "encode" or self.config.custom is not None:
                 part = (part or []) + [rows]
             elif self.config.pooling_type == "mean":
                 part = rows.sum(dim=0) if part is None else part + rows.sum(dim=0)
@@ -51,8 +70,17 @@ class Pooler:
             if params.task == "encode":
                 outputs[request_id] = torch.cat(part)
                 continue
-            embedding = {"last": lambda: rows[-1], "cls": lambda: part,
-                         "mean": lambda: part / request.num_prompt_tokens}[self.config.pooling_type]()
+            if params.task in ("classify", "score"):
+                logits = self.head @ rows[-1]
+                if params.activation:
+                    logits = logits.sigmoid() if logits.shape[0] == 1 else logits.softmax(dim=-1)
+                outputs[request_id] = logits
+                continue
+            if self.config.custom is not None:
+                embedding = self.config.custom(torch.cat(part), request)
+            else:
+                embedding = {"last": lambda: rows[-1], "cls": lambda: part,
+                             "mean": lambda: part / request.num_prompt_tokens}[self.config.pooling_type]()
             if params.dimensions is not None:
                 embedding = embedding[:params.dimensions]
             if self.config.normalize if params.normalize is None else params.normalize:

@@ -31,6 +31,7 @@ from hookllm.worker.pooler import Pooler
 from hookllm.worker.model_runner import ModelRunner, StepOutput
 from hookllm.worker.pipeline_stage import PipelineStage
 from hookllm.plugins.components import ComponentKind
+from hookllm.pooling_params import POOLING_TYPES
 from hookllm.plugins.context import EngineContext
 from hookllm.plugins.contract import capability
 from hookllm.plugins.manager import ActiveHooks, PluginManager
@@ -58,6 +59,12 @@ def resolve_model(config: EngineConfig, plugin_manager: PluginManager) -> tuple[
     registry = plugin_manager.registry
     owner = registry.owner(model_config.architecture, selected, config.model_impl)
     model_config.plugin = owner
+    if config.pooler is not None:
+        if model_config.pooler is None:
+            raise ValueError(f"--pooler {config.pooler}: {config.model} runs the generate runner (--runner pooling)")
+        model_config.pooler.pooling_type = config.pooler
+        if config.pooler not in POOLING_TYPES:
+            model_config.pooler.custom = plugin_manager.component(ComponentKind.POOLER, config.pooler)
     model_config.load_format = config.load_format
     model_cls = registry.resolve(model_config.architecture, owner)
     num_gpus = torch.cuda.device_count() if device.type == "cuda" else None
@@ -139,10 +146,10 @@ class Worker:
                                 if config.preemption_mode == "swap" else 0)
         self._allocate_host_cache(self.num_host_blocks)
         phase("host_swap_cache")
+        pooler = Pooler.for_model(model_config, self.device) if model_config.pooler is not None else None
         self.runner = ModelRunner(model, hooks, self.device, config.block_size, self.attention_backend, config.seed,
                                   InputBatch(self.kv_cache_groups.num_groups, self.device, config.max_num_seqs,
-                                             -(-model_config.max_model_len // config.block_size)),
-                                  Pooler(model_config.pooler) if model_config.pooler is not None else None)
+                                             -(-model_config.max_model_len // config.block_size)), pooler)
         if config.pipeline_parallel_size > 1:
             self.runner.stage = PipelineStage(capability(model, "pipeline_intermediate_count"),
                                               text_config_of(model_config.hf_config).hidden_size, self.dtype, self.device)
