@@ -66,3 +66,24 @@ def test_an_empty_input_list_is_a_400(embedding_server):
     response = httpx.post(embedding_server.url + "/v1/embeddings", json={"model": "embedder", "input": []},
                           timeout=60)
     assert response.status_code == 400
+
+
+def test_grpc_embed_equals_the_http_embedding(tiny_llama_dir, tmp_path_factory):
+    from hookllm.grpc import vllm_engine_pb2 as pb2
+    from hookllm.grpc_client import GrpcClient
+    from server_fixtures import HOST, free_port
+
+    folder = tmp_path_factory.mktemp("st-grpc")
+    sentence_transformer(tiny_llama_dir, folder, "lasttoken", normalize=True)
+    grpc_port = free_port()
+    server = Server([str(folder), "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "32",
+                     "--grpc-port", str(grpc_port)])
+    try:
+        with GrpcClient(f"{HOST}:{grpc_port}", timeout=60) as client:
+            reply = client.stub.Embed(pb2.EmbedRequest(tokenized=pb2.TokenizedInput(input_ids=[5, 6, 7, 8])),
+                                      timeout=60)
+        over_http = httpx.post(server.url + "/v1/embeddings", json={"input": [5, 6, 7, 8]}, timeout=60).json()
+        assert reply.prompt_tokens == 4 and reply.embedding_dim == 64
+        assert list(reply.embedding) == pytest.approx(over_http["data"][0]["embedding"], abs=1e-6)
+    finally:
+        server.stop()

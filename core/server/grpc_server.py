@@ -30,6 +30,7 @@ from hookllm.config import text_config_of
 from hookllm.engine.async_llm import EngineDeadError, EngineStepError
 from hookllm.grpc import vllm_engine_pb2 as pb2
 from hookllm.outputs import CompletionOutput, RequestOutput
+from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import SamplingParams, StructuredOutputsParams
 from hookllm.server.state import ServerState
 from hookllm.server.streaming import tracked
@@ -227,6 +228,16 @@ class VllmEngineService:
         except EngineDeadError as exc:
             raise GrpcError(StatusCode.UNAVAILABLE, str(exc)) from None
 
+    def _check_token_ids(self, token_ids: list[int], field: str, empty: str) -> None:
+        """An input's ids are not empty (else INVALID_ARGUMENT ``empty``) and are below the
+        vocabulary size (INVALID_ARGUMENT naming ``field``)."""
+        if not token_ids:
+            raise _invalid(empty)
+        too_large = next((i for i, token in enumerate(token_ids) if token >= self.vocab_size), None)
+        if too_large is not None:
+            raise _invalid(f"{field}.input_ids[{too_large}] = {token_ids[too_large]} is not below "
+                           f"the vocabulary size {self.vocab_size}")
+
     async def _prompt(self, request: pb2.GenerateRequest, params: SamplingParams) -> dict[str, Any]:
         """The request's prompt as token ids (a text prompt tokenized here), checked against the
         vocabulary and the context before it reaches the engine."""
@@ -237,12 +248,7 @@ class VllmEngineService:
             text, token_ids = request.text, await self.engine.tokenize(request.text) if request.text else []
         else:
             text, token_ids = request.tokenized.original_text or None, list(request.tokenized.input_ids)
-        if not token_ids:
-            raise _invalid(f"GenerateRequest.{kind}: the prompt is empty")
-        too_large = next((i for i, token in enumerate(token_ids) if token >= self.vocab_size), None)
-        if too_large is not None:
-            raise _invalid(f"GenerateRequest.tokenized.input_ids[{too_large}] = {token_ids[too_large]} is not below "
-                           f"the vocabulary size {self.vocab_size}")
+        self._check_token_ids(token_ids, "GenerateRequest.tokenized", f"GenerateRequest.{kind}: the prompt is empty")
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
             text = None
@@ -256,7 +262,27 @@ class VllmEngineService:
         return {"prompt_token_ids": token_ids, **({"prompt": text} if text else {})}
 
     async def embed(self, request: pb2.EmbedRequest) -> pb2.EmbedResponse:
-        raise GrpcError(StatusCode.UNIMPLEMENTED, "Embed: this server runs a generative model, not an embedding model")
+        """The input's embedding, on a model served by the pooling runner (docs/pooling.md)."""
+        if self.engine.model_config.runner != "pooling":
+            raise GrpcError(StatusCode.UNIMPLEMENTED, "Embed: this server runs a generative model, not an embedding "
+                            "model (hookllm serve --runner pooling)")
+        token_ids = list(request.tokenized.input_ids)
+        self._check_token_ids(token_ids, "EmbedRequest.tokenized", "EmbedRequest.tokenized: the input is empty")
+        if len(token_ids) > self.state.max_model_len:
+            raise GrpcError(StatusCode.RESOURCE_EXHAUSTED, f"the input has {len(token_ids)} tokens; this model's "
+                            f"context is {self.state.max_model_len}")
+        try:
+            output = await self.engine.encode({"prompt_token_ids": token_ids}, PoolingParams(task="embed"),
+                                              request.request_id or f"grpc-{uuid.uuid4().hex}")
+        except ValueError as exc:
+            raise _invalid(str(exc)) from None
+        except EngineStepError as exc:
+            raise GrpcError(StatusCode.INTERNAL, str(exc)) from None
+        except EngineDeadError as exc:
+            raise GrpcError(StatusCode.UNAVAILABLE, str(exc)) from None
+        embedding = output.outputs.data
+        return pb2.EmbedResponse(embedding=embedding.tolist(), prompt_tokens=len(token_ids),
+                                 embedding_dim=embedding.shape[0])
 
     async def health_check(self, request: pb2.HealthCheckRequest) -> pb2.HealthCheckResponse:
         healthy = self.engine.is_running
