@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import msgspec
 
@@ -163,18 +163,26 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """``LLM.embed``'s output: a ``PoolingRequestOutput`` whose data is one vector, as a list."""
+class _PooledListOutput:
+    """A ``PoolingRequestOutput`` whose data, one vector, its task reads as a list."""
 
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: Any
     prompt_token_ids: list[int]
     finished: bool = True
+    output_type: ClassVar[type]  # made from the vector's list
 
     @classmethod
-    def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
-        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
+    def from_base(cls, output: PoolingRequestOutput) -> Any:
+        return cls(output.request_id, cls.output_type(output.outputs.data.tolist()), output.prompt_token_ids,
                    output.finished)
+
+
+@dataclass
+class EmbeddingRequestOutput(_PooledListOutput):
+    """``LLM.embed``'s output: ``outputs.embedding``."""
+
+    output_type: ClassVar[type] = EmbeddingOutput
 
 
 @dataclass
@@ -187,18 +195,10 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
-    """``LLM.classify``'s output."""
+class ClassificationRequestOutput(_PooledListOutput):
+    """``LLM.classify``'s output: ``outputs.probs``."""
 
-    request_id: str
-    outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-
-    @classmethod
-    def from_base(cls, output: PoolingRequestOutput) -> "ClassificationRequestOutput":
-        return cls(output.request_id, ClassificationOutput(output.outputs.data.tolist()), output.prompt_token_ids,
-                   output.finished)
+    output_type: ClassVar[type] = ClassificationOutput
 
 
 @dataclass

@@ -131,6 +131,13 @@ def _invalid(message: str) -> GrpcError:
     return GrpcError(StatusCode.INVALID_ARGUMENT, message)
 
 
+def engine_status(exc: ValueError | EngineStepError | EngineDeadError) -> GrpcError:
+    """The engine's exceptions as statuses: bad input, a failed step, an engine shut down."""
+    if isinstance(exc, ValueError):
+        return _invalid(str(exc))
+    return GrpcError(StatusCode.INTERNAL if isinstance(exc, EngineStepError) else StatusCode.UNAVAILABLE, str(exc))
+
+
 class VllmEngineService:
     """The ``VllmEngine`` methods over one ``ServerState``'s engine and metrics."""
 
@@ -221,12 +228,8 @@ class VllmEngineService:
                             yield pb2.GenerateResponse(complete=choice.complete())
             for choice in choices if not request.stream else ():
                 yield pb2.GenerateResponse(complete=choice.complete())
-        except ValueError as exc:
-            raise _invalid(str(exc)) from None
-        except EngineStepError as exc:
-            raise GrpcError(StatusCode.INTERNAL, str(exc)) from None
-        except EngineDeadError as exc:
-            raise GrpcError(StatusCode.UNAVAILABLE, str(exc)) from None
+        except (ValueError, EngineStepError, EngineDeadError) as exc:
+            raise engine_status(exc) from None
 
     def _check_token_ids(self, token_ids: list[int], field: str, empty: str) -> None:
         """An input's ids are not empty (else INVALID_ARGUMENT ``empty``) and are below the
@@ -274,12 +277,8 @@ class VllmEngineService:
         try:
             output = await self.engine.encode({"prompt_token_ids": token_ids}, PoolingParams(task="embed"),
                                               request.request_id or f"grpc-{uuid.uuid4().hex}")
-        except ValueError as exc:
-            raise _invalid(str(exc)) from None
-        except EngineStepError as exc:
-            raise GrpcError(StatusCode.INTERNAL, str(exc)) from None
-        except EngineDeadError as exc:
-            raise GrpcError(StatusCode.UNAVAILABLE, str(exc)) from None
+        except (ValueError, EngineStepError, EngineDeadError) as exc:
+            raise engine_status(exc) from None
         embedding = output.outputs.data
         return pb2.EmbedResponse(embedding=embedding.tolist(), prompt_tokens=len(token_ids),
                                  embedding_dim=embedding.shape[0])

@@ -498,11 +498,16 @@ class EmbeddingData(BaseModel):
     embedding: list[float] | str  # base64 of little-endian float32 with encoding_format "base64"
 
 
-class EmbeddingResponse(BaseModel):
+class PoolingResponse(BaseModel):
+    """What every pooling route's answer starts with (vLLM's shape)."""
+
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+
+
+class EmbeddingResponse(PoolingResponse):
     data: list[EmbeddingData]
     usage: "PoolingUsage"
 
@@ -528,11 +533,7 @@ class PoolingUsage(BaseModel):
     total_tokens: int
 
 
-class ClassificationResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ClassificationResponse(PoolingResponse):
     data: list[ClassificationData]
     usage: PoolingUsage
 
@@ -552,11 +553,7 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ScoreResponse(PoolingResponse):
     data: list[ScoreData]
     usage: PoolingUsage
 
