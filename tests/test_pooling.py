@@ -126,3 +126,10 @@ def test_a_pooling_engine_and_a_generating_one_serve_side_by_side(tiny_llama_dir
         last = tiny_llama_reference.model(torch.tensor([prompt])).last_hidden_state[0, -1]
     assert tokens == want.tolist()
     torch.testing.assert_close(torch.tensor(embedding.outputs.embedding), last, atol=1e-5, rtol=1e-5)
+
+
+def test_an_input_the_cache_can_never_hold_is_refused_naming_its_size(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", runner="pooling", num_kv_blocks=2)
+    with pytest.raises(ValueError, match=r"the input \(40 tokens\) needs 3 KV blocks"):
+        llm.embed([list(range(3, 43))])
+    assert llm.embed([[5, 6, 7]])[0].outputs.hidden_size == 64

@@ -88,8 +88,12 @@ class Scheduler:
         needed = manager.blocks_to_fit(requests, self.max_num_batched_tokens)
         if needed > manager.num_blocks:
             first = requests[0]
-            what = (f"prompt plus max_tokens ({first.max_num_tokens} tokens)" if len(requests) == 1 else
-                    f"n={len(requests)} completions of up to {first.max_num_tokens} tokens")
+            if first.pooling_params is not None:
+                what = f"the input ({first.max_num_tokens} tokens)"
+            elif len(requests) == 1:
+                what = f"prompt plus max_tokens ({first.max_num_tokens} tokens)"
+            else:
+                what = f"n={len(requests)} completions of up to {first.max_num_tokens} tokens"
             raise ValueError(f"request {request_id}: {what} needs {needed} KV blocks, but the cache has only "
                              f"{manager.num_blocks} blocks of {manager.block_size}")
         for request in requests:
