@@ -498,6 +498,11 @@ class EmbeddingData(BaseModel):
     embedding: list[float] | str  # base64 of little-endian float32 with encoding_format "base64"
 
 
+class PoolingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
 class PoolingResponse(BaseModel):
     """What every pooling route's answer starts with (vLLM's shape)."""
 
@@ -509,7 +514,7 @@ class PoolingResponse(BaseModel):
 
 class EmbeddingResponse(PoolingResponse):
     data: list[EmbeddingData]
-    usage: "PoolingUsage"
+    usage: PoolingUsage
 
 
 class ClassificationRequest(OpenAIModel):
@@ -526,11 +531,6 @@ class ClassificationData(BaseModel):
     label: str  # the most probable label's name (config.id2label)
     probs: list[float]
     num_classes: int
-
-
-class PoolingUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
 
 
 class ClassificationResponse(PoolingResponse):
