@@ -87,3 +87,15 @@ def test_grpc_embed_equals_the_http_embedding(tiny_llama_dir, tmp_path_factory):
         assert list(reply.embedding) == pytest.approx(over_http["data"][0]["embedding"], abs=1e-6)
     finally:
         server.stop()
+
+
+def test_pooling_gives_every_tokens_hidden_state_or_the_embedding(embedding_server, tiny_llama_reference):
+    ids = [5, 6, 7, 8]
+    per_token = httpx.post(embedding_server.url + "/pooling", json={"input": [ids]}, timeout=60).json()["data"][0]
+    with torch.no_grad():
+        want = tiny_llama_reference.model(torch.tensor([ids])).last_hidden_state[0]
+    assert per_token["object"] == "pooling"
+    torch.testing.assert_close(torch.tensor(per_token["data"]), want, atol=1e-5, rtol=1e-5)
+    embedded = httpx.post(embedding_server.url + "/pooling", json={"input": ids, "task": "embed"}, timeout=60).json()
+    over_embeddings = httpx.post(embedding_server.url + "/v1/embeddings", json={"input": ids}, timeout=60).json()
+    assert embedded["data"][0]["data"] == over_embeddings["data"][0]["embedding"]

@@ -517,6 +517,23 @@ class EmbeddingResponse(PoolingResponse):
     usage: PoolingUsage
 
 
+class PoolingRequest(OpenAIModel):
+    """vLLM's ``POST /pooling``: the pooling runner's raw output for a task, per input."""
+
+    model: str | None = None
+    input: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+    task: Literal["encode", "embed", "classify"] = "encode"
+    encoding_format: Literal["float", "base64"] = "float"
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    # encode: one list per input token; embed and classify: one list; base64: the float32 bytes
+    data: list[list[float]] | list[float] | str
+
+
 class ClassificationRequest(OpenAIModel):
     """vLLM's ``POST /classify``."""
 
@@ -535,6 +552,11 @@ class ClassificationData(BaseModel):
 
 class ClassificationResponse(PoolingResponse):
     data: list[ClassificationData]
+    usage: PoolingUsage
+
+
+class PoolingListResponse(PoolingResponse):
+    data: list[PoolingData]
     usage: PoolingUsage
 
 

@@ -1,6 +1,6 @@
 """The pooling routes, on a model served by the pooling runner (``--runner pooling``, a
 checkpoint with a sentence-transformers pipeline, or a ``*ForSequenceClassification`` one):
-``POST /v1/embeddings`` (OpenAI's), ``/classify`` and ``/score`` (vLLM's), ``/rerank`` and
+``POST /v1/embeddings`` (OpenAI's), ``/pooling``, ``/classify`` and ``/score`` (vLLM's), ``/rerank`` and
 ``/v1/rerank`` (the Jina and Cohere shape). Each input is one pooling request."""
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from hookllm.outputs import PoolingRequestOutput
 from hookllm.pooling_params import PoolingParams
 from hookllm.server.errors import OpenAIError, engine_error, error_responses
 from hookllm.server.protocol import (ClassificationData, ClassificationRequest, ClassificationResponse, EmbeddingData,
-                                     EmbeddingRequest, EmbeddingResponse, PoolingUsage, RerankDocument, RerankRequest,
-                                     RerankResponse, RerankResult, RerankUsage, ScoreData, ScoreRequest, ScoreResponse)
+                                     EmbeddingRequest, EmbeddingResponse, PoolingData, PoolingListResponse,
+                                     PoolingRequest, PoolingUsage, RerankDocument, RerankRequest, RerankResponse,
+                                     RerankResult, RerankUsage, ScoreData, ScoreRequest, ScoreResponse)
 from hookllm.server.state import ServerState, server_state
 from hookllm.server.streaming import until_disconnect
 
@@ -94,11 +95,27 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     return await until_disconnect(request, run())
 
 
-def embedding_value(data, encoding_format: str) -> list[float] | str:
-    """The embedding as JSON numbers, or as OpenAI's base64 of its little-endian float32 bytes."""
+def embedding_value(data, encoding_format: str) -> list[float] | list[list[float]] | str:
+    """A pooled tensor as JSON numbers (nested for a matrix), or as OpenAI's base64 of its
+    little-endian float32 bytes (row after row)."""
     if encoding_format == "base64":
         return base64.b64encode(data.float().numpy().astype("<f4").tobytes()).decode("ascii")
     return data.tolist()
+
+
+@router.post("/pooling", response_model=PoolingListResponse, responses=RESPONSES)
+async def create_pooling(body: PoolingRequest, request: Request) -> Response | PoolingListResponse:
+    state = server_state(request)
+    name = state.model_name(body.model)
+    params = pooling_params(task=body.task, truncate_prompt_tokens=body.truncate_prompt_tokens)
+
+    async def run() -> PoolingListResponse:
+        outputs = await pool(state, inputs_of(body.input), params, "pool")
+        data = [PoolingData(index=index, data=embedding_value(output.outputs.data, body.encoding_format))
+                for index, output in enumerate(outputs)]
+        return PoolingListResponse(id=f"pool-{uuid.uuid4().hex}", model=name, data=data, usage=usage(outputs))
+
+    return await until_disconnect(request, run())
 
 
 @router.post("/classify", response_model=ClassificationResponse, responses=RESPONSES)
