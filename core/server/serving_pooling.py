@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import uuid
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from hookllm.engine.async_llm import EngineDeadError, EngineStepError
 from hookllm.entrypoints.scoring import is_cross_encoder, pair_prompts, pair_texts
@@ -75,27 +76,32 @@ async def scores(state: ServerState, text_1: str | list[str], text_2: str | list
     return [float(first.outputs.data @ second.outputs.data) for first, second in pairs], usage(outputs).total_tokens
 
 
-@router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=RESPONSES)
-async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response | EmbeddingResponse:
+async def respond(request: Request, model: str | None,
+                  answer: Callable[[ServerState, str], Awaitable[BaseModel]]) -> Response | BaseModel:
+    """``answer(state, the served model's name)``, cancelled (its requests aborted) if the client
+    disconnects first."""
     state = server_state(request)
-    name = state.model_name(body.model)
-    inputs = inputs_of(body.input)
-    params = pooling_params(task="embed", dimensions=body.dimensions, normalize=body.normalize,
-                            truncate_prompt_tokens=body.truncate_prompt_tokens)
-    if not body.add_special_tokens:  # text inputs tokenized here, without the tokenizer's BOS
-        inputs = [{"prompt": text, "prompt_token_ids": await state.engine.tokenize(text, add_special_tokens=False)}
-                  if isinstance(text, str) else text for text in inputs]
+    return await until_disconnect(request, answer(state, state.model_name(model)))
 
-    async def run() -> EmbeddingResponse:
+
+@router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=RESPONSES)
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response | BaseModel:
+    async def answer(state: ServerState, name: str) -> EmbeddingResponse:
+        params = pooling_params(task="embed", dimensions=body.dimensions, normalize=body.normalize,
+                                truncate_prompt_tokens=body.truncate_prompt_tokens)
+        inputs = inputs_of(body.input)
+        if not body.add_special_tokens:  # text inputs tokenized here, without the tokenizer's BOS
+            inputs = [{"prompt": text, "prompt_token_ids": await state.engine.tokenize(text, add_special_tokens=False)}
+                      if isinstance(text, str) else text for text in inputs]
         outputs = await pool(state, inputs, params, "embd")
-        data = [EmbeddingData(index=index, embedding=embedding_value(output.outputs.data, body.encoding_format))
+        data = [EmbeddingData(index=index, embedding=encoded(output.outputs.data, body.encoding_format))
                 for index, output in enumerate(outputs)]
         return EmbeddingResponse(id=f"embd-{uuid.uuid4().hex}", model=name, data=data, usage=usage(outputs))
 
-    return await until_disconnect(request, run())
+    return await respond(request, body.model, answer)
 
 
-def embedding_value(data, encoding_format: str) -> list[float] | list[list[float]] | str:
+def encoded(data, encoding_format: str) -> list[float] | list[list[float]] | str:
     """A pooled tensor as JSON numbers (nested for a matrix), or as OpenAI's base64 of its
     little-endian float32 bytes (row after row)."""
     if encoding_format == "base64":
@@ -104,28 +110,22 @@ def embedding_value(data, encoding_format: str) -> list[float] | list[list[float
 
 
 @router.post("/pooling", response_model=PoolingListResponse, responses=RESPONSES)
-async def create_pooling(body: PoolingRequest, request: Request) -> Response | PoolingListResponse:
-    state = server_state(request)
-    name = state.model_name(body.model)
-    params = pooling_params(task=body.task, truncate_prompt_tokens=body.truncate_prompt_tokens)
-
-    async def run() -> PoolingListResponse:
+async def create_pooling(body: PoolingRequest, request: Request) -> Response | BaseModel:
+    async def answer(state: ServerState, name: str) -> PoolingListResponse:
+        params = pooling_params(task=body.task, truncate_prompt_tokens=body.truncate_prompt_tokens)
         outputs = await pool(state, inputs_of(body.input), params, "pool")
-        data = [PoolingData(index=index, data=embedding_value(output.outputs.data, body.encoding_format))
+        data = [PoolingData(index=index, data=encoded(output.outputs.data, body.encoding_format))
                 for index, output in enumerate(outputs)]
         return PoolingListResponse(id=f"pool-{uuid.uuid4().hex}", model=name, data=data, usage=usage(outputs))
 
-    return await until_disconnect(request, run())
+    return await respond(request, body.model, answer)
 
 
 @router.post("/classify", response_model=ClassificationResponse, responses=RESPONSES)
-async def create_classification(body: ClassificationRequest, request: Request) -> Response | ClassificationResponse:
-    state = server_state(request)
-    name = state.model_name(body.model)
-    params = pooling_params(task="classify", activation=body.activation,
-                            truncate_prompt_tokens=body.truncate_prompt_tokens)
-
-    async def run() -> ClassificationResponse:
+async def create_classification(body: ClassificationRequest, request: Request) -> Response | BaseModel:
+    async def answer(state: ServerState, name: str) -> ClassificationResponse:
+        params = pooling_params(task="classify", activation=body.activation,
+                                truncate_prompt_tokens=body.truncate_prompt_tokens)
         outputs = await pool(state, inputs_of(body.input), params, "classify")
         labels = state.engine.model_config.pooler.labels
         data = [ClassificationData(index=index, label=labels[int(output.outputs.data.argmax())],
@@ -133,30 +133,24 @@ async def create_classification(body: ClassificationRequest, request: Request) -
                 for index, output in enumerate(outputs)]
         return ClassificationResponse(id=f"classify-{uuid.uuid4().hex}", model=name, data=data, usage=usage(outputs))
 
-    return await until_disconnect(request, run())
+    return await respond(request, body.model, answer)
 
 
 @router.post("/score", response_model=ScoreResponse, responses=RESPONSES)
-async def create_score(body: ScoreRequest, request: Request) -> Response | ScoreResponse:
-    state = server_state(request)
-    name = state.model_name(body.model)
-
-    async def run() -> ScoreResponse:
+async def create_score(body: ScoreRequest, request: Request) -> Response | BaseModel:
+    async def answer(state: ServerState, name: str) -> ScoreResponse:
         values, tokens = await scores(state, body.text_1, body.text_2, body.truncate_prompt_tokens)
         return ScoreResponse(id=f"score-{uuid.uuid4().hex}", model=name,
                              data=[ScoreData(index=index, score=value) for index, value in enumerate(values)],
                              usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
-    return await until_disconnect(request, run())
+    return await respond(request, body.model, answer)
 
 
 @router.post("/rerank", response_model=RerankResponse, responses=RESPONSES)
 @router.post("/v1/rerank", response_model=RerankResponse, responses=RESPONSES)
-async def create_rerank(body: RerankRequest, request: Request) -> Response | RerankResponse:
-    state = server_state(request)
-    name = state.model_name(body.model)
-
-    async def run() -> RerankResponse:
+async def create_rerank(body: RerankRequest, request: Request) -> Response | BaseModel:
+    async def answer(state: ServerState, name: str) -> RerankResponse:
         values, tokens = await scores(state, body.query, body.documents, body.truncate_prompt_tokens)
         ranked = sorted(range(len(values)), key=lambda index: values[index], reverse=True)[:body.top_n]
         results = [RerankResult(index=index, relevance_score=values[index],
@@ -165,4 +159,4 @@ async def create_rerank(body: RerankRequest, request: Request) -> Response | Rer
         return RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=name, usage=RerankUsage(total_tokens=tokens),
                               results=results)
 
-    return await until_disconnect(request, run())
+    return await respond(request, body.model, answer)
