@@ -85,8 +85,8 @@ class PoolerConfig:
     def classifier(cls, hf_config: Any) -> "PoolerConfig":
         """A ``*ForSequenceClassification`` checkpoint's: its ``score`` head over the last token
         (transformers' own pooling for decoder classifiers)."""
-        num_labels = len(getattr(hf_config, "id2label", None) or {}) or getattr(hf_config, "num_labels", 2)
         id2label = getattr(hf_config, "id2label", None) or {}
+        num_labels = len(id2label) or getattr(hf_config, "num_labels", 2)
         labels = [str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels)]
         return cls("last", False, False, head="score.weight", labels=labels)
 

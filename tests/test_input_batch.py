@@ -13,6 +13,10 @@ def state(request_id: str, **params) -> CachedRequestState:
     return CachedRequestState(request_id, [1, 2, 3], 3, SamplingParams(**params))
 
 
+def rows_of(batch: InputBatch, states: list[CachedRequestState]) -> np.ndarray:
+    return batch.rows([s.request_id for s in states], {s.request_id: s for s in states})
+
+
 def ids(*columns: list[int]) -> np.ndarray:
     """A block update's ids: one list per KV cache group."""
     return np.array(columns, dtype=np.int32)
@@ -25,23 +29,23 @@ def device_rows(batch: InputBatch, rows: np.ndarray, width: int) -> list:
 def test_a_request_keeps_its_row_across_steps_and_a_finished_requests_row_is_reused():
     batch = InputBatch(num_groups=1, device=torch.device("cpu"), num_rows=4)
     a, b, c = state("a"), state("b"), state("c")
-    rows = batch.rows([a, b])
-    assert batch.rows([b, a]).tolist() == rows[::-1].tolist()
+    rows = rows_of(batch, [a, b])
+    assert rows_of(batch, [b, a]).tolist() == rows[::-1].tolist()
     batch.remove("a")
-    assert batch.rows([c, b]).tolist() == [rows[0], rows[1]]
+    assert rows_of(batch, [c, b]).tolist() == [rows[0], rows[1]]
 
 
 def test_a_row_holds_its_requests_sampler_parameters():
     batch = InputBatch(num_groups=1, device=torch.device("cpu"))
     greedy, nucleus = state("greedy", temperature=0.0), state("nucleus", temperature=0.7, top_p=0.9, seed=3)
-    rows = batch.rows([nucleus, greedy])
+    rows = rows_of(batch, [nucleus, greedy])
     assert batch.sampler_table[:, rows].T.tolist() == [list(np.float32(nucleus.sampler_row)),
                                                        list(np.float32(greedy.sampler_row))]
 
 
 def test_block_updates_extend_a_table_and_column_zero_replaces_it():
     batch = InputBatch(num_groups=2, device=torch.device("cpu"))
-    rows = batch.rows([state("a"), state("b")])
+    rows = rows_of(batch, [state("a"), state("b")])
     batch.apply_device_updates(torch.from_numpy(batch.update_block_tables(rows, [(0, 0, ids([5, 6], [7, 8])),
                                                                               (1, 0, ids([9], [10]))])))
     batch.apply_device_updates(torch.from_numpy(batch.update_block_tables(rows, [(0, 2, ids([11], [12]))])))
@@ -53,9 +57,9 @@ def test_block_updates_extend_a_table_and_column_zero_replaces_it():
 
 def test_rows_and_columns_grow_keeping_every_entry():
     batch = InputBatch(num_groups=1, device=torch.device("cpu"), num_rows=1, num_columns=4)
-    first = batch.rows([state("a")])
+    first = rows_of(batch, [state("a")])
     batch.apply_device_updates(torch.from_numpy(batch.update_block_tables(first, [(0, 0, ids([3, 4]))])))
-    rows = batch.rows([state("a"), state("b")])  # no free row: the rows double
+    rows = rows_of(batch, [state("a"), state("b")])  # no free row: the rows double
     wide = list(range(100, 170))
     batch.apply_device_updates(torch.from_numpy(batch.update_block_tables(rows, [(1, 0, ids(wide))])))
     assert device_rows(batch, rows, 70) == [[[3, 4] + [0] * 68, wide]]

@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 from hookllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from hookllm.entrypoints.chat import render_chat
-from hookllm.entrypoints.scoring import is_cross_encoder, pair_prompts, pair_texts
+from hookllm.entrypoints.scoring import is_cross_encoder, pair_prompts, pair_scores, pair_texts
 from hookllm.config import EngineConfig
 from hookllm.engine.llm_engine import LLMEngine
 from hookllm.inputs import PromptType
@@ -147,16 +147,18 @@ class LLM:
         each pair as the tokenizer joins two texts and gives its probability; an embedding model
         gives the cosine similarity of the two texts' embeddings."""
         firsts, seconds = pair_texts(text_1, text_2)
-        if is_cross_encoder(self.engine.model_config.pooler, self.engine.config.model):
+        cross = is_cross_encoder(self.engine.model_config.pooler, self.engine.config.model)
+        if cross:
             params = dataclasses.replace(pooling_params or PoolingParams(), task="score")
             outputs = self.encode(pair_prompts(self.get_tokenizer(), firsts, seconds), params, use_tqdm)
-            return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])), o.prompt_token_ids)
-                    for o in outputs]
-        params = dataclasses.replace(pooling_params or PoolingParams(), task="embed", normalize=True)
-        embeddings = self.encode(firsts + seconds, params, use_tqdm)
-        pairs = zip(embeddings[:len(firsts)], embeddings[len(firsts):])
-        return [ScoringRequestOutput(second.request_id, ScoringOutput(float(first.outputs.data @ second.outputs.data)),
-                                     first.prompt_token_ids + second.prompt_token_ids) for first, second in pairs]
+            prompts = [output.prompt_token_ids for output in outputs]
+        else:
+            params = dataclasses.replace(pooling_params or PoolingParams(), task="embed", normalize=True)
+            outputs = self.encode(firsts + seconds, params, use_tqdm)
+            prompts = [first.prompt_token_ids + second.prompt_token_ids
+                       for first, second in zip(outputs[:len(firsts)], outputs[len(firsts):])]
+        return [ScoringRequestOutput(output.request_id, ScoringOutput(score), prompt)
+                for output, score, prompt in zip(outputs[-len(seconds):], pair_scores(outputs, cross), prompts)]
 
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams | PoolingParams]) -> list[str]:
         """Queue one request per prompt; if any is refused (or adding it raises anything), none

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from hookllm.outputs import PoolingRequestOutput
 from hookllm.pooling_params import PoolerConfig
 
 
@@ -29,6 +30,16 @@ def is_cross_encoder(pooler: PoolerConfig | None, model: str) -> bool:
         raise ValueError(f"scoring needs a cross-encoder (a classifier of one label) or an embedding model; "
                          f"{model} is a classifier of {len(pooler.labels)} labels: use classify")
     return True
+
+
+def pair_scores(outputs: list[PoolingRequestOutput], cross_encoder: bool) -> list[float]:
+    """Each pair's score from its pooling outputs: a cross-encoder's one per pair (the ``score``
+    task's probability); an embedding model's two per pair, the firsts then the seconds
+    (normalized embeddings: their dot product is the cosine)."""
+    if cross_encoder:
+        return [float(output.outputs.data[0]) for output in outputs]
+    half = len(outputs) // 2
+    return [float(first.outputs.data @ second.outputs.data) for first, second in zip(outputs[:half], outputs[half:])]
 
 
 def pair_prompts(tokenizer: Any, firsts: list[str], seconds: list[str]) -> list[dict[str, list[int]]]:

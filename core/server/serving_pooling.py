@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from hookllm.engine.async_llm import EngineDeadError, EngineStepError
-from hookllm.entrypoints.scoring import is_cross_encoder, pair_prompts, pair_texts
+from hookllm.entrypoints.scoring import is_cross_encoder, pair_prompts, pair_scores, pair_texts
 from hookllm.outputs import PoolingRequestOutput
 from hookllm.pooling_params import PoolingParams
 from hookllm.server.errors import OpenAIError, engine_error, error_responses
@@ -69,11 +69,10 @@ async def scores(state: ServerState, text_1: str | list[str], text_2: str | list
     if cross:
         params = pooling_params(task="score", truncate_prompt_tokens=truncate_prompt_tokens)
         outputs = await pool(state, pair_prompts(state.engine.tokenizer, firsts, seconds), params, "score")
-        return [float(output.outputs.data[0]) for output in outputs], usage(outputs).total_tokens
-    params = pooling_params(task="embed", normalize=True, truncate_prompt_tokens=truncate_prompt_tokens)
-    outputs = await pool(state, firsts + seconds, params, "score")
-    pairs = zip(outputs[:len(firsts)], outputs[len(firsts):])
-    return [float(first.outputs.data @ second.outputs.data) for first, second in pairs], usage(outputs).total_tokens
+    else:
+        params = pooling_params(task="embed", normalize=True, truncate_prompt_tokens=truncate_prompt_tokens)
+        outputs = await pool(state, firsts + seconds, params, "score")
+    return pair_scores(outputs, cross), usage(outputs).total_tokens
 
 
 async def respond(request: Request, model: str | None,

@@ -12,7 +12,7 @@ tables and sampler table are then gathers by row, on the device and the host.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -38,16 +38,16 @@ class InputBatch:
         self.device_block_table = torch.zeros(self.block_table.shape, dtype=torch.int32, device=device)
         self._grow(num_rows, num_columns)
 
-    def rows(self, requests: Sequence[CachedRequestState]) -> np.ndarray:
-        """Each request's row (int64), taking rows for those that hold none yet."""
+    def rows(self, request_ids: Sequence[str], states: Mapping[str, CachedRequestState]) -> np.ndarray:
+        """Each request's row (int64), taking rows for those that hold none yet (``states``: the
+        runner's requests, for their sampler parameters)."""
         try:
-            return np.fromiter(map(self.row_of.__getitem__, [r.request_id for r in requests]), dtype=np.int64,
-                               count=len(requests))
+            return np.fromiter(map(self.row_of.__getitem__, request_ids), dtype=np.int64, count=len(request_ids))
         except KeyError:
-            for request in requests:
-                if request.request_id not in self.row_of:
-                    self._add(request)
-            return self.rows(requests)
+            for request_id in request_ids:
+                if request_id not in self.row_of:
+                    self._add(states[request_id])
+            return self.rows(request_ids, states)
 
     def remove(self, request_id: str) -> None:
         """Give the request's row back (unknown ids pass: a request preempted before it ran)."""

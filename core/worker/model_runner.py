@@ -261,7 +261,7 @@ class ModelRunner:
         requests = [self.requests[request_id] for request_id in scheduler_output.request_ids]
         counts = scheduler_output.num_scheduled_tokens
         sampling = scheduler_output.sampling_rows
-        rows = self.input_batch.rows(requests)
+        rows = self.input_batch.rows(scheduler_output.request_ids, self.requests)
         return Batch(requests, counts, [requests[row] for row in sampling],
                      [requests[row].num_computed_tokens + counts[row] for row in sampling], self.generator, previous,
                      rows, self.input_batch.sampler_table[:, rows[sampling]])

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hookllm.config import ModelConfig
 from hookllm.pooling_params import PoolerConfig
 from hookllm.worker.model_loader import load_tensor
-from hookllm.worker.batch import Batch
+from hookllm.worker.batch import Batch, CachedRequestState
 
 
 class Pooler:
@@ -49,41 +49,55 @@ class Pooler:
         completed = set(completing)
         outputs = {}
         for index, request in enumerate(batch.requests):
-            params = request.pooling_params
-            if params is None:
+            if request.pooling_params is None:
                 continue
-            # A copy: the hidden states may be a CUDA graph's output buffer, which the next step
-            # overwrites while a chunked prompt's part is kept.
-            rows = hidden_states[query_start[index]:query_start[index + 1]].to(torch.float32, copy=True)
-            request_id, first_chunk = request.request_id, request.num_computed_tokens == 0
-            part = None if first_chunk else self.partial.get(request_id)
-            if params.task == "encode" or self.config.custom is not None:
-                part = (part or []) + [rows]
-            elif self.config.pooling_type == "mean":
-                part = rows.sum(dim=0) if part is None else part + rows.sum(dim=0)
-            elif self.config.pooling_type == "cls" and first_chunk:
-                part = rows[0]
-            if index not in completed:
-                self.partial[request_id] = part
-                continue
-            self.partial.pop(request_id, None)
-            if params.task == "encode":
-                outputs[request_id] = torch.cat(part)
-                continue
-            if params.task in ("classify", "score"):
-                logits = self.head @ rows[-1]
-                if params.activation:
-                    logits = logits.sigmoid() if logits.shape[0] == 1 else logits.softmax(dim=-1)
-                outputs[request_id] = logits
-                continue
-            if self.config.custom is not None:
-                embedding = self.config.custom(torch.cat(part), request)
+            rows = hidden_states[query_start[index]:query_start[index + 1]]
+            request_id = request.request_id
+            part = self._carry(request, rows, self.partial.pop(request_id, None))
+            if index in completed:
+                outputs[request_id] = self._output(request, rows, part)
             else:
-                embedding = {"last": lambda: rows[-1], "cls": lambda: part,
-                             "mean": lambda: part / request.num_prompt_tokens}[self.config.pooling_type]()
-            if params.dimensions is not None:
-                embedding = embedding[:params.dimensions]
-            if self.config.normalize if params.normalize is None else params.normalize:
-                embedding = F.normalize(embedding, dim=-1)
-            outputs[request_id] = embedding
+                self.partial[request_id] = part
         return outputs
+
+    def _carry(self, request: CachedRequestState, rows: torch.Tensor,
+               part: torch.Tensor | list[torch.Tensor] | None) -> torch.Tensor | list[torch.Tensor] | None:
+        """What the request's chunks so far leave for the next: every row (encode, a plugin's
+        pooler), their sum (mean), the first row (CLS), or nothing (last). Kept rows are copies:
+        the hidden states may be a CUDA graph's output buffer, which the next step overwrites."""
+        first_chunk = request.num_computed_tokens == 0
+        if first_chunk:
+            part = None  # a prompt recomputed after a preemption starts over
+        if request.pooling_params.task == "encode" or self.config.custom is not None:
+            return (part or []) + [rows.to(torch.float32, copy=True)]
+        if self.config.pooling_type == "mean":
+            chunk_sum = rows.sum(dim=0, dtype=torch.float32)
+            return chunk_sum if part is None else part + chunk_sum
+        if self.config.pooling_type == "cls" and first_chunk:
+            return rows[0].to(torch.float32, copy=True)
+        return part
+
+    def _output(self, request: CachedRequestState, rows: torch.Tensor,
+                part: torch.Tensor | list[torch.Tensor] | None) -> torch.Tensor:
+        """The completed request's output, from its last chunk's ``rows`` and what the chunks left."""
+        params = request.pooling_params
+        if params.task == "encode":
+            return torch.cat(part)
+        if params.task in ("classify", "score"):
+            logits = self.head @ rows[-1].float()
+            if params.activation:
+                logits = logits.sigmoid() if logits.shape[0] == 1 else logits.softmax(dim=-1)
+            return logits
+        if self.config.custom is not None:
+            embedding = self.config.custom(torch.cat(part), request)
+        elif self.config.pooling_type == "mean":
+            embedding = part / request.num_prompt_tokens
+        elif self.config.pooling_type == "cls":
+            embedding = part
+        else:
+            embedding = rows[-1].float()
+        if params.dimensions is not None:
+            embedding = embedding[:params.dimensions]
+        if self.config.normalize if params.normalize is None else params.normalize:
+            embedding = F.normalize(embedding, dim=-1)
+        return embedding
