@@ -38,8 +38,8 @@ test: $(STAMP)
 # a venv of their own, on the suite's cross-section that exercises each: the server with the
 # openai client and prometheus, structured output (llguidance), the transformers backend, the
 # default model's GGUF conversion (gguf, transformers' tokenizer), LLaVA (open_clip), embeddings
-# against sentence-transformers. torch keeps the pin above (its floor is claimed, not installed:
-# the download is several GB).
+# of decoders and encoders against sentence-transformers. torch keeps the pin above (its floor is
+# claimed, not installed: the download is several GB).
 MIN_VENV := .venv-min
 MIN_PY := $(MIN_VENV)/bin/python
 MIN_STAMP := $(MIN_VENV)/.hookllm-installed
@@ -47,7 +47,8 @@ MIN_TESTS := tests/test_dependency_bounds.py tests/test_server_basics.py tests/t
 	tests/test_transformers_backend.py::test_tokens_and_prompt_logprobs_equal_transformers \
 	tests/test_smollm2.py::test_chat_prompt_tokens_equal_transformers_chat_template \
 	tests/test_smollm2.py::test_answers_that_paris_is_the_capital_of_france tests/test_llava_tiny_command.py \
-	tests/test_pooling.py::test_embeddings_equal_sentence_transformers
+	tests/test_pooling.py::test_embeddings_equal_sentence_transformers \
+	tests/test_encoders.py::test_encoder_embeddings_equal_sentence_transformers
 
 $(MIN_STAMP): pyproject.toml requirements/minimums.txt Makefile
 	test -x $(MIN_PY) || python3 -m venv $(MIN_VENV)

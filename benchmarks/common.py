@@ -46,6 +46,10 @@ SHAPES = {
                         num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=32,
                         num_experts_per_tok=4, vocab_size=201088, sliding_window=128,
                         layer_types=["sliding_attention", "full_attention"] * 12, tie_word_embeddings=False),
+    # An encoder (bidirectional attention, no causal LM): benchmarks/pooling.py embeds with it.
+    "bert-base": dict(model_type="bert", hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                      num_key_value_heads=12, intermediate_size=3072, vocab_size=30522, max_position_embeddings=512,
+                      type_vocab_size=2),
     "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
                          vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=4096,
@@ -53,6 +57,8 @@ SHAPES = {
 }
 # Shapes whose checkpoint folder holds config.json only (see above).
 CONFIG_ONLY_SHAPES = ("qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b")
+# Encoders: saved as their base model (transformers' AutoModel), their MLP two matrices, not three.
+ENCODER_SHAPES = ("bert-base",)
 
 
 def head_dim(config: dict) -> int:
@@ -79,7 +85,8 @@ def linear_params_per_layer(config: dict) -> int:
     h = config["hidden_size"]
     q, kv = config["num_attention_heads"] * head_dim(config), config["num_key_value_heads"] * head_dim(config)
     moe = moe_experts(config)
-    mlp = 3 * h * config["intermediate_size"] if moe is None else moe[1] * expert_params(config) + h * moe[0]
+    matrices = 2 if config["model_type"] == "bert" else 3
+    mlp = matrices * h * config["intermediate_size"] if moe is None else moe[1] * expert_params(config) + h * moe[0]
     return h * (q + 2 * kv) + q * h + mlp
 
 
@@ -119,7 +126,7 @@ def device_name() -> str:
 def random_checkpoint(shape: str, root: Path) -> Path:
     """Save a random-weight bf16 checkpoint of ``shape`` once; every engine loads this folder
     (of a ``CONFIG_ONLY_SHAPES`` shape, only its config.json)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     path = root / shape
     if (path / "config.json").exists():
@@ -132,8 +139,9 @@ def random_checkpoint(shape: str, root: Path) -> Path:
         config.save_pretrained(path)
         return path
     torch.manual_seed(0)
+    model_cls = AutoModel if shape in ENCODER_SHAPES else AutoModelForCausalLM
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = model_cls.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
     del model
     torch.cuda.empty_cache()

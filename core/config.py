@@ -63,6 +63,33 @@ def load_hf_config(path: str | Path) -> Any:
         return PretrainedConfig.from_dict(json.loads(config_file.read_text()))
 
 
+def is_encoder(hf_config: Any) -> bool:
+    """Whether the checkpoint is an encoder-only model (BERT, RoBERTa / XLM-R, ModernBERT...):
+    one whose model type transformers gives a masked LM, encoder-decoders aside."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return (getattr(hf_config, "model_type", None) in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+            and not getattr(hf_config, "is_encoder_decoder", False))
+
+
+def position_offset(hf_config: Any) -> int:
+    """Where an encoder's position ids start: ``pad_token_id + 1`` for the RoBERTa family, whose
+    transformers code numbers positions after the padding index (its embeddings'
+    ``create_position_ids_from_input_ids``), else 0."""
+    import sys
+
+    import transformers
+
+    architecture = (getattr(hf_config, "architectures", None) or [""])[0]
+    model_cls = getattr(transformers, architecture, None) if architecture.isidentifier() else None
+    if model_cls is None:
+        return 0
+    module = sys.modules[model_cls.__module__]
+    after_padding = any(isinstance(obj, type) and hasattr(obj, "create_position_ids_from_input_ids")
+                        for obj in vars(module).values())
+    return hf_config.pad_token_id + 1 if after_padding else 0
+
+
 def text_config_of(hf_config: Any) -> Any:
     """The decoder's config (a multimodal config nests it as ``text_config``)."""
     return getattr(hf_config, "text_config", None) or hf_config
@@ -100,6 +127,8 @@ class ModelConfig:
     runner: str = "generate"  # EngineConfig.runner, resolved: "generate" or "pooling"
     pooler: PoolerConfig | None = None  # how the pooling runner pools (None when generating)
     weight_prefix: str = ""  # put before every checkpoint tensor's name (a bare base model's: "model.")
+    # An encoder (bidirectional attention): pooling only, each prompt computed in one step.
+    encoder: bool = False
 
     @classmethod
     def from_path(cls, path: str, dtype: torch.dtype, max_model_len: int | None,
@@ -109,34 +138,43 @@ class ModelConfig:
         if not architectures:
             raise ValueError(f"{path}/config.json names no architectures")
         text = text_config_of(hf_config)
+        encoder = is_encoder(hf_config)
         limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+        if limit and encoder:
+            limit -= position_offset(hf_config)
         if max_model_len is None:
             max_model_len = limit or 2048
         elif limit and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
         architecture, weight_prefix = architectures[0], ""
         classifier = architecture.endswith("ForSequenceClassification")
-        pooler = PoolerConfig.classifier(hf_config) if classifier else PoolerConfig.for_checkpoint(path, hf_config)
+        if classifier:
+            pooler = PoolerConfig.classifier(hf_config, own_head=encoder)
+        else:
+            pooler = PoolerConfig.for_checkpoint(path, hf_config)
         if runner == "auto":
-            runner = "pooling" if pooler is not None else "generate"
-        if classifier and runner != "pooling":
-            raise ValueError(f"{architecture} is a classifier: it runs with the pooling runner (LLM.classify, "
+            runner = "pooling" if pooler is not None or encoder else "generate"
+        if (classifier or encoder) and runner != "pooling":
+            kind = "a classifier" if classifier else "an encoder"
+            raise ValueError(f"{architecture} is {kind}: it runs with the pooling runner (LLM.embed, LLM.classify, "
                              "LLM.score), not --runner generate")
         if runner == "pooling":
-            pooler = pooler or PoolerConfig.default(hf_config)
-            if classifier:
+            pooler = pooler or PoolerConfig.default(hf_config, encoder)
+            # An encoder keeps its architecture: transformers' own class serves it, head and all
+            # (hookllm.adapters.transformers.encoder).
+            if classifier and not encoder:
                 # Its decoder is the causal LM's, under the same names; its head (score.weight) is
                 # the pooler's, and it has no LM head of its own.
                 architecture = architecture[:-len("ForSequenceClassification")] + "ForCausalLM"
                 text.tie_word_embeddings = True
-            elif architecture.endswith("Model") and not architecture.endswith("PreTrainedModel"):
+            elif not encoder and architecture.endswith("Model") and not architecture.endswith("PreTrainedModel"):
                 # sentence-transformers saves a decoder's base model (LlamaModel, tensors named
                 # without "model."): its causal LM class serves it, the head tied to the
                 # embedding (it has none of its own, and the pooling runner computes no logits).
                 architecture, weight_prefix = architecture[:-len("Model")] + "ForCausalLM", "model."
                 text.tie_word_embeddings = True
         return cls(str(path), hf_config, architecture, dtype, int(max_model_len), runner=runner,
-                   pooler=pooler if runner == "pooling" else None, weight_prefix=weight_prefix)
+                   pooler=pooler if runner == "pooling" else None, weight_prefix=weight_prefix, encoder=encoder)
 
 
 def _option(default: Any, help: str, **extra: Any) -> Any:

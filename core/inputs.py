@@ -15,10 +15,13 @@ class TextPrompt(TypedDict):
 
 
 class TokensPrompt(TypedDict):
-    """A prompt already tokenized: a list of int token ids."""
+    """A prompt already tokenized: a list of int token ids. ``token_type_ids`` (pooling only): a
+    text pair's segments as a BERT-style tokenizer marks them, 0 for the first text's tokens, 1
+    for the second's."""
 
     prompt_token_ids: list[int]
     multi_modal_data: NotRequired[dict[str, Any]]
+    token_type_ids: NotRequired[list[int]]
 
 
 # A bare string is a text prompt; a bare list of ints is a tokens prompt.

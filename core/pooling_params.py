@@ -33,6 +33,9 @@ class PoolingParams:
     activation: bool = True
     truncate_prompt_tokens: int | None = None  # keep the prompt's last n tokens
     extra_args: dict[str, Any] | None = None
+    # Set by the engine from a prompt's token_type_ids: where a text pair's second text starts
+    # (its tokens are of type 1 for a BERT-style cross-encoder).
+    second_text_start: int | None = None
 
     def __post_init__(self) -> None:
         if self.task not in POOLING_TASKS:
@@ -49,9 +52,10 @@ class PoolingParams:
 class PoolerConfig:
     """How a checkpoint pools a prompt into one embedding: the hidden state of its ``last`` or
     first (``cls``) token, or their ``mean``; ``normalize``: to unit length by default.
-    ``matryoshka``: whether a request may ask for fewer ``dimensions``. ``head``: the checkpoint
-    tensor of a classification head (``score.weight``, ``[labels, hidden]``) and ``labels`` its
-    labels' names."""
+    ``matryoshka``: whether a request may ask for fewer ``dimensions``. ``labels``: a
+    classifier's labels' names, None for a model without a classification head; ``head``: the
+    checkpoint tensor of a decoder classifier's head (``score.weight``, ``[labels, hidden]``),
+    None where the model computes its own (an encoder's transformers classifier)."""
 
     pooling_type: str = "last"
     normalize: bool = True
@@ -81,19 +85,26 @@ class PoolerConfig:
             pooling_type = _pooling_type(folder / kinds["Pooling"]["path"] / "config.json")
         return cls(pooling_type, "Normalize" in kinds, is_matryoshka(hf_config))
 
+    @property
+    def is_classifier(self) -> bool:
+        return self.labels is not None
+
     @classmethod
-    def classifier(cls, hf_config: Any) -> "PoolerConfig":
-        """A ``*ForSequenceClassification`` checkpoint's: its ``score`` head over the last token
-        (transformers' own pooling for decoder classifiers)."""
+    def classifier(cls, hf_config: Any, own_head: bool = False) -> "PoolerConfig":
+        """A ``*ForSequenceClassification`` checkpoint's: a decoder's ``score`` head over the last
+        token (transformers' own pooling for decoder classifiers), or with ``own_head`` the
+        model's (an encoder's, whose transformers head pools as it was trained to)."""
         id2label = getattr(hf_config, "id2label", None) or {}
         num_labels = len(id2label) or getattr(hf_config, "num_labels", 2)
         labels = [str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels)]
-        return cls("last", False, False, head="score.weight", labels=labels)
+        return cls("cls" if own_head else "last", False, False, head=None if own_head else "score.weight",
+                   labels=labels)
 
     @classmethod
-    def default(cls, hf_config: Any) -> "PoolerConfig":
-        """A causal LM's embedding without a sentence-transformers pipeline: its last token, normalized."""
-        return cls("last", True, is_matryoshka(hf_config))
+    def default(cls, hf_config: Any, encoder: bool = False) -> "PoolerConfig":
+        """A model's embedding without a sentence-transformers pipeline: a causal LM's last token,
+        an encoder's first (CLS), normalized."""
+        return cls("cls" if encoder else "last", True, is_matryoshka(hf_config))
 
 
 def is_matryoshka(hf_config: Any) -> bool:

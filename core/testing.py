@@ -223,3 +223,23 @@ def build_tiny_tokenizer(path: str | Path, vocab_size: int = 320, special_tokens
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(str(path))
     return fast
+
+
+def build_tiny_wordpiece_tokenizer(path: str | Path) -> Any:
+    """A BERT-style tokenizer (WordPiece, ``[CLS] a [SEP] b [SEP]`` with token types for pairs)
+    over a small English vocabulary, ``save_pretrained`` into ``path``: ``[PAD]`` is id 0,
+    ``[CLS]`` 2, ``[SEP]`` 3; ids stay below :data:`WORDPIECE_VOCAB_SIZE`."""
+    from transformers import BertTokenizerFast
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "vocab.txt").write_text("\n".join(WORDPIECE_VOCAB) + "\n")
+    tokenizer = BertTokenizerFast(vocab_file=str(path / "vocab.txt"))
+    tokenizer.save_pretrained(str(path))
+    return tokenizer
+
+
+WORDPIECE_VOCAB = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+                   + "the quick brown fox jumps over lazy dog hello world what is capital of france paris".split()
+                   + list("abcdefghijklmnopqrstuvwxyz") + ["##" + c for c in "abcdefghijklmnopqrstuvwxyz"])
+WORDPIECE_VOCAB_SIZE = len(WORDPIECE_VOCAB)

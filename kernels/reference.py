@@ -62,6 +62,7 @@ def paged_attention(
     sinks: torch.Tensor | None = None,  # [num_heads], fp32 or the model dtype
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks and decodes) over the paged cache.
 
@@ -82,6 +83,9 @@ def paged_attention(
       denominator only: ``probs_k = exp(s_k - m) / (sum_j exp(s_j - m) + exp(sink - m))``,
       ``m`` the maximum over the visible scores and the sink.
     * An FP8 cache (``store_kv``): keys are ``k_scale * k_cache``, values ``v_scale * v_cache``.
+    * ``causal=False`` (encoders): bidirectional, every query row sees all ``seq_len`` keys of its
+      sequence; with a window ``W``, the keys ``k`` with ``|k - p| < W`` (ModernBERT's local
+      attention, ``W - 1`` on each side).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -103,12 +107,13 @@ def paged_attention(
         v = (v.float() * v_scale if v_scale != 1.0 else v.float()).transpose(0, 1)
         # A decode row sees every gathered key (the window's first key included): no mask.
         hidden = None
-        if q_len > 1:
+        if q_len > 1 and (causal or sliding_window is not None):
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             k_pos = torch.arange(first_key, seq_len, device=query.device)
-            hidden = k_pos[None, :] > q_pos[:, None]
+            distance = q_pos[:, None] - k_pos[None, :]  # > 0: the key lies before the query
+            hidden = distance < 0 if causal else distance <= -sliding_window
             if sliding_window is not None:
-                hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+                hidden |= distance >= sliding_window
         if softcap is None and sinks is None:
             # torch's fused attention (GQA without repeating the keys): the CPU's attention path.
             attended = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True,

@@ -11,8 +11,9 @@ layout). One attention kernel serves prefill chunks, decodes and mixed batches:
   window, wholly inside every row's window) skip the mask. With a window, tiles wholly before
   every row's window are not visited, and keys before it are never loaded, so their blocks
   may hold anything.
-* The variants (sliding window, logit soft-capping, attention sinks) are constexpr flags: the
-  plain kernel is compiled as before, and a model compiles each variant its layers use once.
+* The variants (sliding window, logit soft-capping, attention sinks, bidirectional attention)
+  are constexpr flags: the plain kernel is compiled as before, and a model compiles each
+  variant its layers use once.
 * Softmax is online (flash-attention style) in fp32, in base 2 with the scale folded in.
 * An FP8 (e4m3) cache is read as stored and converted in registers; its per-tensor K scale is
   folded into the scores' scale and its V scale into the output's normalisation. Its dots run
@@ -153,14 +154,14 @@ def _attend_tiles(
     acc, l_i, m_i, q, q_pos,
     k_base, v_base, block_table_row, lo, hi, kv_start, kv_end, qk_scale, cap, window, offs_d, d_ok,
     stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) over keys ``lo..hi`` in tiles of BLOCK_N.
 
     Scores are ``dot * qk_scale`` in base 2, or with USE_SOFTCAP ``cap * tanh(dot * qk_scale)``.
-    With MASKED the tiles may reach past a row's diagonal, before its window or outside
+    With MASKED the tiles may reach past a row's diagonal (CAUSAL), outside its window or outside
     ``kv_start..kv_end`` (keys there are not loaded: they read as 0 and are masked); without
     it every key in range is visible to every query row."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -189,9 +190,14 @@ def _attend_tiles(
         if USE_SOFTCAP:
             s = cap * _tanh(s)
         if MASKED:
-            visible = pos[None, :] <= q_pos[:, None]
+            if CAUSAL:
+                visible = pos[None, :] <= q_pos[:, None]
+            else:
+                visible = (pos < kv_end)[None, :] & (q_pos >= 0)[:, None]
             if USE_WINDOW:
                 visible = visible & (pos[None, :] > q_pos[:, None] - window)
+                if not CAUSAL:
+                    visible = visible & (pos[None, :] < q_pos[:, None] + window)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -219,7 +225,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ONE_BLOCK_PER_SEQ: tl.constexpr, SPLIT: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SEQS: tl.constexpr,
 ):
     """Grid: (query blocks, KV heads, splits). Writes the normalised output, or with SPLIT the
@@ -263,10 +269,18 @@ def _paged_attention_kernel(
     ).to(DOT_DTYPE)
 
     # Keys this block attends to: kv_start..kv_end, kv_start the first key in the window of its
-    # first row (0 without a window); before `unmasked_end` no row needs the causal mask.
+    # first row (0 without a window); before `unmasked_end` no row needs the causal mask (nor,
+    # bidirectional, the mask of the sequence's end).
     q_first = context_len + q_block * BLOCK_M
-    kv_end = context_len + tl.minimum((q_block + 1) * BLOCK_M, q_len)
-    unmasked_end = (q_first + 1) // BLOCK_N * BLOCK_N
+    q_end = context_len + tl.minimum((q_block + 1) * BLOCK_M, q_len)
+    if CAUSAL:
+        kv_end = q_end
+        unmasked_end = (q_first + 1) // BLOCK_N * BLOCK_N
+    else:
+        kv_end = seq_len
+        if USE_WINDOW:
+            kv_end = tl.minimum(kv_end, q_end - 1 + window)
+        unmasked_end = kv_end // BLOCK_N * BLOCK_N
     if USE_WINDOW:
         kv_start = tl.maximum(q_first - window + 1, 0)
         first_tile = kv_start // BLOCK_N * BLOCK_N  # the tiles before it are skipped
@@ -296,23 +310,27 @@ def _paged_attention_kernel(
     v_base = v_cache_ptr + kv_head * stride_vh
     if USE_WINDOW:
         # Keys from kv_end - window on lie in every row's window; the tiles before need its mask.
-        window_end = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N, lo), hi)
+        # Bidirectional, every tile may lie outside some row's window: all take the mask.
+        if CAUSAL:
+            window_end = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N, lo), hi)
+        else:
+            window_end = hi
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, k_base, v_base, block_table_row, lo, window_end, kv_start, kv_end,
             qk_scale, cap, window, offs_d, d_ok, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            True, USE_WINDOW, USE_SOFTCAP, BLOCK_N, BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
+            True, CAUSAL, USE_WINDOW, USE_SOFTCAP, BLOCK_N, BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
         )
         lo = window_end
         mid = tl.maximum(mid, window_end)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, k_base, v_base, block_table_row, lo, mid, kv_start, kv_end,
         qk_scale, cap, window, offs_d, d_ok, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        False, USE_WINDOW, USE_SOFTCAP, BLOCK_N, BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
+        False, CAUSAL, USE_WINDOW, USE_SOFTCAP, BLOCK_N, BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
     )
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, k_base, v_base, block_table_row, mid, hi, kv_start, kv_end,
         qk_scale, cap, window, offs_d, d_ok, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        True, USE_WINDOW, USE_SOFTCAP, BLOCK_N, BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
+        True, CAUSAL, USE_WINDOW, USE_SOFTCAP, BLOCK_N, BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
     )
 
     if SPLIT:
@@ -440,6 +458,7 @@ def paged_attention_with(
     sinks: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    causal: bool = True,
     seqs: int = ALL_SEQS,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -485,7 +504,7 @@ def paged_attention_with(
         GROUP=group, GROUP_PAD=group_pad,
         BLOCK_M=block_m, BLOCK_R=max(16, block_m * group_pad), BLOCK_N=config.block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        ONE_BLOCK_PER_SEQ=one_block_per_seq, SPLIT=split,
+        ONE_BLOCK_PER_SEQ=one_block_per_seq, SPLIT=split, CAUSAL=causal,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
         USE_SINKS=sinks is not None and not split,
         DOT_DTYPE=_dot_dtype(query.dtype, k_cache.dtype),
@@ -518,9 +537,11 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks and decodes) over the paged cache,
-    optionally with a sliding window, logit soft-capping and attention sinks.
+    optionally with a sliding window, logit soft-capping and attention sinks, or bidirectional
+    attention (``causal=False``: encoders).
 
     See :func:`hookllm.kernels.reference.paged_attention` for the exact semantics. Picks the
     split-K path for decode-only batches that would not fill the GPU on their own (a decode
@@ -532,7 +553,7 @@ def paged_attention(
     num_splits = num_kv_splits(seq_lens.shape[0], num_kv_heads, max_query_len, keys, num_sms(query.device))
     attend = functools.partial(paged_attention_with, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                scale=scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
-                               k_scale=k_scale, v_scale=v_scale)
+                               k_scale=k_scale, v_scale=v_scale, causal=causal)
     if max_query_len <= 1 or not SEPARATE_DECODES:
         return attend(max_query_len=max_query_len, num_splits=num_splits,
                       config=default_config(head_dim, group, max_query_len, fp8_cache))

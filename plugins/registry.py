@@ -20,7 +20,7 @@ AUTO, NATIVE = "auto", "native"
 class Fallback:
     """A plugin's class for every architecture ``claims`` accepts; ``description`` says which."""
 
-    target: Any  # a class or "module:Class"
+    target: Any  # a class, or a function architecture -> class; either may be given as "module:name"
     claims: Callable[[str], bool]
     description: str
 
@@ -109,10 +109,10 @@ class ModelRegistry:
         """The class for ``architecture`` of ``plugin``, the plugin :meth:`owner` chose (by default
         asked here): its registration by name, else its fallback, whose claim ``owner`` checked."""
         plugin = plugin or self.owner(architecture)
-        target = self._entries.get(architecture, {}).get(plugin) or self._fallbacks[plugin].target
-        if isinstance(target, str):
-            module, _, name = target.partition(":")
-            target = getattr(importlib.import_module(module), name)
+        native = self._entries.get(architecture, {}).get(plugin)
+        target = _load(native or self._fallbacks[plugin].target)
+        if native is None and not isinstance(target, type):
+            target = _load(target(architecture))  # a fallback picking the class by architecture
         return target
 
     def explain(self, architecture: str, selected: Iterable[str] = ()) -> str:
@@ -138,3 +138,11 @@ class ScopedRegistry:
         """Serve every architecture ``claims`` accepts that no plugin registers by name (see
         :meth:`ModelRegistry.register_fallback`)."""
         self._registry.register_fallback(target, claims, plugin=self._plugin, description=description)
+
+
+def _load(target: Any) -> Any:
+    """``target``, imported first if it is a "module:name" string."""
+    if isinstance(target, str):
+        module, _, name = target.partition(":")
+        return getattr(importlib.import_module(module), name)
+    return target

@@ -1,4 +1,4 @@
-"""Sliding window, logit soft-capping and attention sinks in paged attention: the torch reference
+"""Sliding window, logit soft-capping, attention sinks and bidirectional attention in paged attention: the torch reference
 against a dense computation written here, the Triton kernels (the interpreter on the CPU, compiled
 on CUDA; tiny shapes) against the reference, and the Attention layer passing them on.
 
@@ -81,8 +81,10 @@ def paged_batch(q_lens: list[int], seq_lens: list[int], window: int | None = Non
 
 
 def dense_attention(batch: dict, keys: list[torch.Tensor], values: list[torch.Tensor], sliding_window: int | None = None,
-                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Each query row over exactly the keys it sees, in float64, the sink's term written out."""
+                    softcap: float | None = None, sinks: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
+    """Each query row over exactly the keys it sees, in float64, the sink's term written out:
+    causal, the keys up to its own; bidirectional, every key of its sequence (within the window,
+    on both sides)."""
     query = batch["query"].cpu().double()
     num_heads = query.shape[1]
     out = torch.empty_like(query)
@@ -94,7 +96,8 @@ def dense_attention(batch: dict, keys: list[torch.Tensor], values: list[torch.Te
         for j in range(q_len):
             pos = k.shape[0] - q_len + j
             first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
-            scores = torch.einsum("hd,khd->hk", query[starts[i] + j], k[first : pos + 1]) * batch["scale"]
+            end = pos + 1 if causal else k.shape[0] if sliding_window is None else min(k.shape[0], pos + sliding_window)
+            scores = torch.einsum("hd,khd->hk", query[starts[i] + j], k[first:end]) * batch["scale"]
             if softcap is not None:
                 scores = softcap * torch.tanh(scores / softcap)
             m = scores.max(dim=1).values
@@ -104,7 +107,7 @@ def dense_attention(batch: dict, keys: list[torch.Tensor], values: list[torch.Te
             denominator = weights.sum(dim=1)
             if sinks is not None:
                 denominator = denominator + torch.exp(sinks.cpu().double() - m)
-            out[starts[i] + j] = torch.einsum("hk,khd->hd", weights / denominator[:, None], v[first : pos + 1])
+            out[starts[i] + j] = torch.einsum("hk,khd->hd", weights / denominator[:, None], v[first:end])
     return out.float()
 
 
@@ -218,5 +221,47 @@ def test_attention_layer_passes_its_variants_and_the_sinks_to_the_backend():
     with set_forward_context(metadata):
         Attention(4, 8, 0.5, 2)(q, kv, kv)
         windowed(q, kv, kv, sinks=sinks)
-    assert calls[0] == dict(sliding_window=None, softcap=None, sinks=None, k_scale=1.0, v_scale=1.0)
-    assert calls[1] == dict(sliding_window=128, softcap=30.0, sinks=sinks, k_scale=0.5, v_scale=0.25)
+    assert calls[0] == dict(sliding_window=None, softcap=None, sinks=None, k_scale=1.0, v_scale=1.0, causal=True)
+    assert calls[1] == dict(sliding_window=128, softcap=30.0, sinks=sinks, k_scale=0.5, v_scale=0.25, causal=True)
+
+
+# Encoders: whole prompts (a query sees keys after its own), and chunks after a context.
+PROMPTS = dict(q_lens=[13, 1, 40, 7, 30], seq_lens=[13, 1, 40, 20, 30])
+BIDIRECTIONAL = ["plain", "window"]
+
+
+@pytest.mark.parametrize("name", BIDIRECTIONAL)
+def test_bidirectional_reference_matches_dense_attention(name):
+    variant = variant_kwargs(name, num_heads=4, window=6)
+    batch, keys, values = paged_batch(**PROMPTS, window=variant.get("sliding_window"))
+    expected = dense_attention(batch, keys, values, causal=False, **variant)
+    assert_close(reference.paged_attention(**batch, causal=False, **variant), expected)
+
+
+def test_bidirectional_attention_of_a_prompt_differs_from_causal_but_not_at_its_last_token():
+    batch, _, _ = paged_batch(q_lens=[9], seq_lens=[9])
+    both, causal = reference.paged_attention(**batch, causal=False), reference.paged_attention(**batch)
+    assert not torch.allclose(both[:-1], causal[:-1])
+    torch.testing.assert_close(both[-1], causal[-1])
+
+
+@pytest.mark.parametrize("tiles", ["default", "small"])
+@pytest.mark.parametrize("name", BIDIRECTIONAL)
+def test_bidirectional_triton_matches_reference(name, tiles):
+    # A 20-key window over 16-key tiles: rows' windows start and end inside tiles on both sides.
+    variant = variant_kwargs(name, num_heads=4, window=20)
+    batch, _, _ = paged_batch(**PROMPTS, window=variant.get("sliding_window"))
+    out = run_triton(batch, config=SMALL_TILES if tiles == "small" else None, causal=False, **variant)
+    assert_close(out, reference.paged_attention(**batch, causal=False, **variant))
+
+
+def test_attention_layer_passes_bidirectional_to_the_backend():
+    calls = []
+    backend = SimpleNamespace(store_kv=lambda *args: None,
+                              paged_attention=lambda *args, **kwargs: calls.append(kwargs) or args[0])
+    metadata = AttentionMetadata(slot_mapping=(torch.zeros(3, dtype=torch.long),), block_tables=(torch.zeros(1, 1),),
+                                 seq_lens=torch.tensor([3]), query_start_loc=torch.tensor([0, 3]),
+                                 max_query_len=3, max_seq_len=3, backend=backend)
+    with set_forward_context(metadata):
+        Attention(4, 8, 0.5, 2, causal=False)(torch.zeros(3, 32), torch.zeros(3, 16), torch.zeros(3, 16))
+    assert calls[0]["causal"] is False

@@ -17,9 +17,9 @@ from typing import Any, Callable
 import pytest
 import torch
 from transformers import (
-    AutoModelForCausalLM, BertConfig, BloomConfig, CohereConfig, FalconH1Config, Gemma2Config, Gemma3TextConfig,
-    GemmaConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, JambaConfig, LlamaConfig, MambaConfig, MixtralConfig,
-    Olmo2Config, OPTConfig, Phi3Config, Qwen3MoeConfig, SmolLM3Config, Starcoder2Config, T5Config,
+    AutoModelForCausalLM, BertConfig, BloomConfig, CohereConfig, DebertaV2Config, FalconH1Config, Gemma2Config,
+    Gemma3TextConfig, GemmaConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, JambaConfig, LlamaConfig, MambaConfig,
+    MixtralConfig, Olmo2Config, OPTConfig, Phi3Config, Qwen3MoeConfig, SmolLM3Config, Starcoder2Config, T5Config,
 )
 
 from hookllm import LLM, SamplingParams, testing
@@ -211,8 +211,9 @@ REFUSALS = {
     "jamba": (lambda: JambaConfig(**small(num_experts=2)), "JambaForCausalLM", r"state-space / recurrent layers"),
     "falcon-h1": (lambda: FalconH1Config(**small(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16)),
                   "FalconH1ForCausalLM", r"state-space / recurrent layers \(hybrid\)"),
-    "bert-encoder": (lambda: BertConfig(**BERT), "BertForMaskedLM", r"not a causal language model"),
-    "bert-lm-head": (lambda: BertConfig(**BERT), "BertLMHeadModel", r"bidirectional attention.*an encoder"),
+    "deberta-encoder": (lambda: DebertaV2Config(**BERT), "DebertaV2Model",
+                        r"does not route attention through transformers' attention interface"),
+    "bert-decoder": (lambda: BertConfig(**BERT, is_decoder=True), "BertLMHeadModel", r"causal attention in an encoder"),
     "t5": (lambda: T5Config(vocab_size=VOCAB, d_model=64, num_layers=2), "T5ForConditionalGeneration",
            r"encoder-decoder model"),
     "alibi": (lambda: BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4), "BloomForCausalLM",

@@ -1,17 +1,20 @@
-"""The transformers modeling backend: every Hugging Face causal LM no other plugin serves.
+"""The transformers modeling backend: every Hugging Face causal LM and encoder no other plugin serves.
 
 It registers a fallback (:meth:`hookllm.plugins.registry.ModelRegistry.register_fallback`):
 an architecture that no installed plugin registers by name is served by
-:class:`hookllm.adapters.transformers.model.TransformersForCausalLM`, which runs transformers'
-own modeling code on hookllm's paged attention; ``--model-impl transformers`` picks it for a
-natively served architecture too. What it serves and refuses: docs/models.md.
+:class:`hookllm.adapters.transformers.model.TransformersForCausalLM` (a decoder) or
+:class:`hookllm.adapters.transformers.encoder.TransformersEncoderModel` (an encoder, for the
+pooling runner), which run transformers' own modeling code on hookllm's paged attention;
+``--model-impl transformers`` picks it for a natively served architecture too. What it serves
+and refuses: docs/models.md.
 """
 
 from importlib.metadata import version
 
 from hookllm import hookimpl
 
-MODEL_CLASS = "hookllm.adapters.transformers.model:TransformersForCausalLM"
+CAUSAL_LM_CLASS = "hookllm.adapters.transformers.model:TransformersForCausalLM"
+ENCODER_CLASS = "hookllm.adapters.transformers.encoder:TransformersEncoderModel"
 
 
 def claims(architecture: str) -> bool:
@@ -22,10 +25,18 @@ def claims(architecture: str) -> bool:
     return support.claims(architecture)
 
 
+def model_class(architecture: str) -> str:
+    """The backend's class for ``architecture``: the encoder's for a model type transformers gives
+    a masked LM (BERT, RoBERTa, ModernBERT...), else the causal LM's."""
+    from hookllm.adapters.transformers import support
+
+    return ENCODER_CLASS if support.is_encoder_architecture(architecture) else CAUSAL_LM_CLASS
+
+
 @hookimpl
 def register_models(registry):
     registry.register_fallback(
-        MODEL_CLASS, claims,
-        description=f"every other causal LM transformers {version('transformers')} implements, or any with "
-                    "--model-impl transformers; it refuses what it cannot run (encoders, state-space models...) "
-                    "saying why")
+        model_class, claims,
+        description=f"every other causal LM and encoder transformers {version('transformers')} implements, or "
+                    "any with --model-impl transformers; it refuses what it cannot run (state-space models, "
+                    "encoder-decoders...) saying why")

@@ -54,9 +54,10 @@ class LayerSpec:
     sliding_window: int | None
     softcap: float | None
     uses_sinks: bool  # gpt-oss: per-head sink logits passed as ``s_aux``
+    causal: bool  # False: an encoder's bidirectional attention
 
     @classmethod
-    def of_call(cls, path: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def of_call(cls, path: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, scaling: float | None, kwargs: dict[str, Any]) -> "LayerSpec":
         """The spec of one call; :class:`Unsupported` for what the paged kernels cannot honour."""
         if attention_mask is not None:
@@ -73,8 +74,9 @@ class LayerSpec:
             raise Unsupported(f"{path}: query/key/value head dims {dims} differ, which hookllm's attention kernels "
                               "do not support")
         scale = head_dim**-0.5 if scaling is None else float(scaling)
+        causal = getattr(module, "is_causal", True) is not False and kwargs.get("is_causal", True) is not False
         return cls(path, query.shape[1], key.shape[1], head_dim, scale, kwargs.get("sliding_window"),
-                   kwargs.get("softcap"), kwargs.get("s_aux") is not None)
+                   kwargs.get("softcap"), kwargs.get("s_aux") is not None, causal)
 
 
 class PagedLayer(Attention):
@@ -82,14 +84,14 @@ class PagedLayer(Attention):
 
     def __init__(self, spec: LayerSpec):
         super().__init__(spec.num_heads, spec.head_dim, spec.scale, spec.num_kv_heads,
-                         sliding_window=spec.sliding_window, softcap=spec.softcap)
+                         sliding_window=spec.sliding_window, softcap=spec.softcap, causal=spec.causal)
         self.spec = spec
 
-    def check(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-              scaling: float | None, kwargs: dict[str, Any]) -> None:
+    def check(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, scaling: float | None, kwargs: dict[str, Any]) -> None:
         """Refuse a call unlike the one probed at load (shapes and Python scalars only: no device
         work, so the check runs inside CUDA-graph capture too)."""
-        spec = LayerSpec.of_call(self.spec.path, query, key, value, attention_mask, scaling, kwargs)
+        spec = LayerSpec.of_call(self.spec.path, module, query, key, value, attention_mask, scaling, kwargs)
         if spec != self.spec or query.shape[0] != 1:
             raise ValueError(f"{spec.path}: transformers called attention with {spec} (batch {query.shape[0]}), "
                              f"unlike at load ({self.spec})")
@@ -117,7 +119,8 @@ class PagedRoute(Route):
         self.first_layer = first_layer
 
     def check(self, module, query, key, value, attention_mask, scaling, kwargs):
-        self.layers[module.layer_idx - self.first_layer].check(query, key, value, attention_mask, scaling, kwargs)
+        self.layers[module.layer_idx - self.first_layer].check(module, query, key, value, attention_mask, scaling,
+                                                               kwargs)
 
     def attend(self, layer_index, q, k, v, sinks):
         return self.layers[layer_index - self.first_layer](q, k, v, sinks=sinks)
@@ -190,10 +193,7 @@ class _Recorder(Route):
         path = self.paths.get(module, type(module).__name__)
         if module in self.calls:
             raise Unsupported(f"{path} runs twice per forward (shared across layers), so it cannot own one KV cache")
-        if getattr(module, "is_causal", True) is False or kwargs.get("is_causal", True) is False:
-            raise Unsupported(f"{path} has bidirectional attention: an encoder; the transformers backend serves "
-                              "causal decoders")
-        self.calls[module] = LayerSpec.of_call(path, query, key, value, attention_mask, scaling, kwargs)
+        self.calls[module] = LayerSpec.of_call(path, module, query, key, value, attention_mask, scaling, kwargs)
 
     def attend(self, layer_index, q, k, v, sinks):
         return torch.zeros_like(q)
@@ -201,11 +201,12 @@ class _Recorder(Route):
 
 @torch.inference_mode()
 def probe(model: nn.Module, forward: Callable[[torch.Tensor, torch.Tensor], object],
-          first_layer: int = 0) -> list[LayerSpec]:
+          first_layer: int = 0, causal: bool = True) -> list[LayerSpec]:
     """Run ``forward(input_ids, positions)``, the decoder's (or a pipeline stage's), on two tokens
     (current default device; weights may be uninitialized) and return, in ``layer_idx`` order,
     what each attention module passed to the attention function; :class:`Unsupported` if the
-    calls do not make a causal decoder hookllm can page, one layer each from ``first_layer``."""
+    calls do not make a model hookllm can page, one layer each from ``first_layer``, all causal
+    (a decoder) or all bidirectional (``causal=False``: an encoder)."""
     recorder = _Recorder(model)
     with routed_to(recorder):
         forward(torch.zeros(2, dtype=torch.long), torch.arange(2))
@@ -217,4 +218,10 @@ def probe(model: nn.Module, forward: Callable[[torch.Tensor, torch.Tensor], obje
     if sorted(i for i in indices if isinstance(i, int)) != list(range(first_layer, first_layer + len(calls))):
         raise Unsupported(f"{name}: its attention modules' layer_idx are {indices}, not one per layer from "
                           f"{first_layer}")
+    wrong = next((spec for spec in calls.values() if spec.causal != causal), None)
+    if wrong is not None and causal:
+        raise Unsupported(f"{wrong.path} has bidirectional attention: an encoder, which the transformers backend "
+                          "serves with the pooling runner only")
+    if wrong is not None:
+        raise Unsupported(f"{wrong.path} has causal attention in an encoder")
     return [spec for _, spec in sorted(zip(indices, calls.values()), key=lambda pair: pair[0])]

@@ -151,16 +151,22 @@ class _DecoderStandIn(nn.Module):
         super().__init__()
         self.hidden_states: torch.Tensor | None = None
 
-    def forward(self, *args: Any, **kwargs: Any) -> "_DecoderOutput":
-        return _DecoderOutput(self.hidden_states)
+    def forward(self, *args: Any, **kwargs: Any) -> "HiddenStatesOutput":
+        return HiddenStatesOutput(self.hidden_states)
 
 
-class _DecoderOutput:
-    def __init__(self, last_hidden_state: torch.Tensor):
+class HiddenStatesOutput:
+    """What a stand-in for a transformers base model returns: ``outputs[0]`` or
+    ``outputs.last_hidden_state``, and ``outputs[1]`` or ``outputs.pooler_output`` where it is
+    given (BERT's); any other field is None."""
+
+    def __init__(self, last_hidden_state: torch.Tensor, pooler_output: torch.Tensor | None = None):
         self.last_hidden_state = last_hidden_state
+        self.pooler_output = pooler_output
 
     def __getitem__(self, index: int | slice) -> Any:
-        return (self.last_hidden_state,)[index]
+        fields = (self.last_hidden_state,) if self.pooler_output is None else (self.last_hidden_state, self.pooler_output)
+        return fields[index]
 
     def __getattr__(self, name: str) -> None:
         return None

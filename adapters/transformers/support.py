@@ -16,6 +16,7 @@ import transformers
 from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from hookllm.config import is_encoder
 from hookllm.plugins.quantization import checkpoint_quant_method
 
 # Layer kinds (config ``layer_types``) the paged kernels serve; the others say why not.
@@ -48,6 +49,12 @@ def claims(architecture: str) -> bool:
     instead of "no plugin serves it"."""
     cls = getattr(transformers, architecture, None) if architecture.isidentifier() else None
     return isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
+
+
+def is_encoder_architecture(architecture: str) -> bool:
+    """Whether transformers' class ``architecture`` is of an encoder (:func:`hookllm.config.is_encoder`)."""
+    cls = getattr(transformers, architecture, None) if architecture.isidentifier() else None
+    return is_encoder(getattr(cls, "config_class", None))
 
 
 def model_class(config: Any) -> type:

@@ -80,7 +80,8 @@ class EngineCore:
         self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    eos_token_ids(model_config, tokenizer), config.preemption_mode,
                                    self.executor.num_host_blocks,
-                                   pipeline_depth=config.pipeline_parallel_size)
+                                   pipeline_depth=config.pipeline_parallel_size,
+                                   chunked_prefill=not model_config.encoder)
         # KV-cache events for prefix-aware routers: the block manager records them, each step publishes.
         events_config = config.kv_events_config
         self.kv_event_publisher: KVEventPublisher | None = None

@@ -19,7 +19,7 @@ from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import SamplingParams
 from hookllm.engine.core_request import EngineCoreRequest
 
-PROMPT_FIELDS = frozenset(("prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"))
+PROMPT_FIELDS = frozenset(("prompt", "prompt_token_ids", "multi_modal_data", "cache_salt", "token_type_ids"))
 # What a pooling request carries where a generation request has its sampling parameters: it is
 # never sampled (the scheduler ends it once its prompt is computed), and it has no text.
 POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind="final_only")
@@ -62,6 +62,9 @@ class InputProcessor:
         if isinstance(params, PoolingParams):
             return self._pooling_request(request_id, prompt, params)
         params = params or SamplingParams()
+        if isinstance(prompt, dict) and prompt.get("token_type_ids") is not None:
+            raise ValueError(f"request {request_id}: token_type_ids are for pooling requests (a cross-encoder's "
+                             "text pair), not generation")
         self._check_logprobs(request_id, params)
         request = self._make_request(request_id, prompt, self._resolve_params(request_id, params))
         self.hooks.hook.preprocess_request(request=request, context=self.hooks.context)
@@ -71,7 +74,7 @@ class InputProcessor:
 
     def _pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams) -> EngineCoreRequest:
         pooler = self.model_config.pooler
-        if params.task in ("classify", "score") and pooler.head is None:
+        if params.task in ("classify", "score") and not pooler.is_classifier:
             raise ValueError(f"request {request_id}: the {params.task} task needs a classification head: "
                              f"{self.config.model} has none (a *ForSequenceClassification checkpoint has one)")
         hidden_size = text_config_of(self.model_config.hf_config).hidden_size
@@ -84,6 +87,11 @@ class InputProcessor:
                                  f"embedding size {hidden_size}")
         sampling = dataclasses.replace(POOLING_SAMPLING, truncate_prompt_tokens=params.truncate_prompt_tokens)
         request = self._make_request(request_id, prompt, sampling)
+        token_types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if token_types is not None:
+            start = second_text_start(request_id, token_types, prompt.get("prompt_token_ids"),
+                                      len(request.prompt_token_ids))
+            params = dataclasses.replace(params, second_text_start=start)
         request.pooling_params = params
         self.hooks.hook.preprocess_request(request=request, context=self.hooks.context)
         request.set_length_limit(self.model_config.max_model_len)
@@ -162,3 +170,17 @@ class InputProcessor:
             raise ValueError(f"request {request_id}: prompt token ids must be in [0, {self.vocab_size})")
         return EngineCoreRequest(request_id, token_ids, params, prompt=text,
                                  multi_modal_data=prompt.get("multi_modal_data"), cache_salt=prompt.get("cache_salt"))
+
+
+def second_text_start(request_id: str, token_types: Any, token_ids: Any, num_prompt_tokens: int) -> int | None:
+    """Where a text pair's second text starts in the (possibly truncated) prompt, from the
+    ``token_type_ids`` a BERT-style tokenizer gives the pair (0s, then 1s); None when all are 0."""
+    if not isinstance(token_ids, (list, tuple)) or not isinstance(token_types, (list, tuple)) \
+            or len(token_types) != len(token_ids):
+        raise ValueError(f"request {request_id}: token_type_ids go with prompt_token_ids, one per token")
+    types = list(token_types)
+    if any(isinstance(t, bool) or t not in (0, 1) for t in types) or types != sorted(types):
+        raise ValueError(f"request {request_id}: token_type_ids must be 0s then 1s (a text pair's two segments)")
+    if 1 not in types:
+        return None
+    return max(0, types.index(1) - (len(types) - num_prompt_tokens))  # the truncation cut the prompt's start

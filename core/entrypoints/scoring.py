@@ -24,7 +24,7 @@ def pair_texts(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> tupl
 def is_cross_encoder(pooler: PoolerConfig | None, model: str) -> bool:
     """Whether the model scores a pair itself (a classifier of one label) rather than through
     embeddings; ``ValueError`` for a classifier of several labels, which does neither."""
-    if pooler is None or pooler.head is None:
+    if pooler is None or not pooler.is_classifier:
         return False
     if len(pooler.labels) != 1:
         raise ValueError(f"scoring needs a cross-encoder (a classifier of one label) or an embedding model; "
@@ -43,5 +43,13 @@ def pair_scores(outputs: list[PoolingRequestOutput], cross_encoder: bool) -> lis
 
 
 def pair_prompts(tokenizer: Any, firsts: list[str], seconds: list[str]) -> list[dict[str, list[int]]]:
-    """Each pair as the tokenizer joins two texts (its pair template), for a cross-encoder."""
-    return [{"prompt_token_ids": tokenizer(first, second)["input_ids"]} for first, second in zip(firsts, seconds)]
+    """Each pair as the tokenizer joins two texts (its pair template), for a cross-encoder, with
+    the token types a BERT-style tokenizer gives the second text."""
+    prompts = []
+    for first, second in zip(firsts, seconds):
+        encoded = tokenizer(first, second)
+        prompt = {"prompt_token_ids": encoded["input_ids"]}
+        if any(encoded.get("token_type_ids") or ()):
+            prompt["token_type_ids"] = encoded["token_type_ids"]
+        prompts.append(prompt)
+    return prompts

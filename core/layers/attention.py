@@ -15,11 +15,12 @@ from hookllm.worker.forward_context import get_forward_context
 
 class Attention(nn.Module):
     """Causal GQA attention over the paged cache, with this layer's variants: a sliding window of
-    ``sliding_window`` tokens (itself included) and Gemma 2's logit soft-capping ``softcap``.
-    :func:`hookllm.kernels.reference.paged_attention` gives the exact semantics."""
+    ``sliding_window`` tokens (itself included), Gemma 2's logit soft-capping ``softcap``, and
+    bidirectional attention (``causal=False``, an encoder's: a prompt must then be computed in
+    one step). :func:`hookllm.kernels.reference.paged_attention` gives the exact semantics."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None, *,
-                 sliding_window: int | None = None, softcap: float | None = None):
+                 sliding_window: int | None = None, softcap: float | None = None, causal: bool = True):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -33,6 +34,7 @@ class Attention(nn.Module):
             raise ValueError(f"softcap must be positive, got {softcap}")
         self.sliding_window = sliding_window
         self.softcap = softcap
+        self.causal = causal
         # [num_blocks, block_size, num_kv_heads, head_dim] each; empty until the worker binds them.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -59,6 +61,6 @@ class Attention(nn.Module):
             q, self.k_cache, self.v_cache, ctx.block_tables[group], ctx.seq_lens, ctx.query_start_loc,
             ctx.max_query_len, ctx.max_seq_len, self.scale,
             sliding_window=self.sliding_window, softcap=self.softcap, sinks=sinks,
-            k_scale=self.k_scale, v_scale=self.v_scale,
+            k_scale=self.k_scale, v_scale=self.v_scale, causal=self.causal,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)

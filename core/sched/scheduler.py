@@ -49,8 +49,10 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_ids: set[int] | frozenset[int] = frozenset(), preemption_mode: str = "recompute",
-                 num_host_blocks: int = 0, pipeline_depth: int = 1):
+                 num_host_blocks: int = 0, pipeline_depth: int = 1, chunked_prefill: bool = True):
         self.block_manager = block_manager
+        # Off for encoders: bidirectional attention needs a prompt's every key in its one step.
+        self.chunked_prefill = chunked_prefill
         # Pipeline stages keep ``pipeline_depth`` batches in flight, each of other requests
         # (vLLM's batch queue): a request is scheduled again only once the token its last step
         # sampled is back, and a batch takes its share of the requests, so the next stage's
@@ -84,6 +86,10 @@ class Scheduler:
         children, which share the prompt's cached blocks. ``ValueError`` if together they could
         never fit in the cache."""
         requests = [Request.from_core_request(core_request) for core_request in core_requests]
+        if not self.chunked_prefill and requests[0].num_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"request {request_id}: the input ({requests[0].num_tokens} tokens) is over "
+                             f"max_num_batched_tokens ({self.max_num_batched_tokens}), and an encoder computes "
+                             "a prompt in one step")
         manager = self.block_manager
         needed = manager.blocks_to_fit(requests, self.max_num_batched_tokens)
         if needed > manager.num_blocks:
@@ -200,6 +206,8 @@ class Scheduler:
             hits = self.block_manager.find_cached_prefix(request) if looks_up else []
             num_cached = len(hits) * self.block_manager.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            if not self.chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
+                break  # the whole prompt waits for a step with room for it
             if not self.block_manager.allocate_slots(request, num_new, hits):
                 break
             if looks_up:

@@ -1,4 +1,5 @@
-"""The per-step attention metadata, set by the model runner around each forward pass.
+"""The per-step attention metadata (and an encoder's token types), set by the model runner
+around each forward pass.
 
 Models never receive it as an argument: the paged ``Attention`` layers read it from here, so a
 model's ``forward(input_ids, positions, inputs_embeds)`` stays the same in every batch shape.
@@ -29,6 +30,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     backend: ModuleType  # provides store_kv and paged_attention
+    # [num_tokens] long: each token's segment of a text pair (0, then 1 for the second text), set
+    # for an encoder that reads token types when the step holds a pair; None otherwise.
+    token_type_ids: torch.Tensor | None = None
 
 
 _current: AttentionMetadata | None = None

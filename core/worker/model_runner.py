@@ -61,12 +61,13 @@ class ModelInputs:
     max_query_len: int
     max_seq_len: int
     inputs_embeds: torch.Tensor | None = None  # [num_tokens, hidden]: replaces input_ids if set
+    token_type_ids: torch.Tensor | None = None  # [num_tokens] long: text pairs' segments, for encoders that read them
 
     def attention_metadata(self, backend: ModuleType) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping.unbind(), block_tables=self.block_tables.unbind(), seq_lens=self.seq_lens,
             query_start_loc=self.query_start_loc, max_query_len=self.max_query_len,
-            max_seq_len=self.max_seq_len, backend=backend,
+            max_seq_len=self.max_seq_len, backend=backend, token_type_ids=self.token_type_ids,
         )
 
 
@@ -219,6 +220,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = input_batch  # the rows of the requests the runner has run and may run next
         self.pooler = pooler  # the pooling runner's (hookllm.worker.pooler); None when generating
+        # An encoder reading token types (BERT's): a text pair's second text is of type 1.
+        self.uses_token_types = bool(getattr(model, "uses_token_types", False))
         # Penalties, logit bias, allowed tokens, bad words: device state for the requests using them.
         self.logits_adjuster = LogitsAdjuster(device)
         # Requests whose prompt logprobs are not all computed yet: the first prompt position whose
@@ -313,12 +316,13 @@ class ModelRunner:
             # first always is: Triton compiles a kernel variant per pointer alignment.
             slot_mapping = np.pad(slot_mapping, ((0, 0), (0, 1)))
         logits_indices = query_start[1:][np.asarray(scheduler_output.sampling_rows, dtype=np.int64)] - 1
+        token_types = self._token_types(requests, counts, positions)
         # One host->device copy for the whole step (pinned, asynchronous on CUDA).
         parts = [input_ids, positions, slot_mapping.ravel(), logits_indices, seq_lens, query_start, batch.rows,
-                 table_updates.ravel(), pending_slots, sources]
+                 table_updates.ravel(), pending_slots, sources, token_types]
         flat = to_device_async(torch.from_numpy(np.concatenate(parts)), self.device)
         (input_ids_t, positions_t, slots_t, logits_t, seq_lens_t, query_start_t, rows_t, table_updates_t,
-         slots_in_flight, sources_t) = flat.split([len(part) for part in parts])
+         slots_in_flight, sources_t, token_types_t) = flat.split([len(part) for part in parts])
         input_batch.apply_device_updates(table_updates_t.view(2, -1))
         if len(pending) == num_tokens and in_order:
             # Every input is the step in flight's token, in its row order (async decode): its
@@ -337,7 +341,21 @@ class ModelRunner:
             query_start=query_start.tolist(),
             max_query_len=int(counts.max()),
             max_seq_len=int(seq_lens.max()),
+            token_type_ids=token_types_t if len(token_types) else None,
         )
+
+    def _token_types(self, requests: list[CachedRequestState], counts: np.ndarray,
+                     positions: np.ndarray) -> np.ndarray:
+        """Each token's type (1 from a text pair's second text on) when the model reads token
+        types and the step holds a pair; else empty."""
+        if not self.uses_token_types:
+            return positions[:0]
+        starts = [r.pooling_params.second_text_start if r.pooling_params is not None else None for r in requests]
+        if all(start is None for start in starts):
+            return positions[:0]
+        never = np.iinfo(np.int64).max
+        starts_arr = np.asarray([never if start is None else start for start in starts], dtype=np.int64)
+        return (positions >= np.repeat(starts_arr, counts)).astype(np.int64)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, ModelInputs]:
@@ -350,7 +368,7 @@ class ModelRunner:
         if self.stage is not None:
             return self._forward_stage(inputs), inputs
         graphs = self.cuda_graphs
-        if (graphs is not None and inputs.inputs_embeds is None
+        if (graphs is not None and inputs.inputs_embeds is None and inputs.token_type_ids is None
                 and graphs.can_run(inputs.input_ids.shape[0], len(batch.requests), inputs.max_query_len,
                                    inputs.block_tables.shape[2])):
             hidden_states = graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables,

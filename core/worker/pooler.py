@@ -5,12 +5,16 @@ earlier chunks leave (the sum of their rows for a mean, the first row for CLS, e
 the encode task) and, in the step whose chunk completes the prompt, returns its output on the
 device: ``embed`` one float32 vector (pooled, cut to ``dimensions``, normalized), ``encode``
 a ``[prompt tokens, hidden]`` float32 matrix, ``classify`` and ``score`` the classification
-head's probabilities over the last token (a sigmoid for one label, else a softmax). A prompt
+head's probabilities (a sigmoid for one label, else a softmax): a decoder's head over the last
+token, or an encoder's own (its ``classify`` over the prompt's rows, all in one step). A prompt
 recomputed after a preemption starts over.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -21,23 +25,25 @@ from hookllm.worker.batch import Batch, CachedRequestState
 
 
 class Pooler:
-    def __init__(self, config: PoolerConfig, head: torch.Tensor | None = None):
+    def __init__(self, config: PoolerConfig, head: torch.Tensor | None = None,
+                 classify: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.config = config
-        self.head = head  # [labels, hidden] float32 on the device: a classifier's score head
+        self.head = head  # [labels, hidden] float32 on the device: a decoder classifier's score head
+        self.classify = classify  # an encoder classifier's: a prompt's rows -> its logits
         # By request: the pooled part of the chunks before this step.
         self.partial: dict[str, torch.Tensor | list[torch.Tensor]] = {}
 
     @classmethod
-    def for_model(cls, model_config: ModelConfig, device: torch.device) -> "Pooler":
-        """The pooler of a model served by the pooling runner, its classification head (if any)
-        read from the checkpoint (random with ``load_format="dummy"``)."""
+    def for_model(cls, model_config: ModelConfig, device: torch.device, model: torch.nn.Module) -> "Pooler":
+        """The pooler of a model served by the pooling runner, a decoder's classification head
+        (if any) read from the checkpoint (random with ``load_format="dummy"``)."""
         config = model_config.pooler
         head = None
         if config.head is not None:
             head = (torch.randn(len(config.labels), model_config.hf_config.hidden_size) * 0.02
                     if model_config.load_format == "dummy" else load_tensor(model_config.path, config.head))
             head = head.to(device, torch.float32)
-        return cls(config, head)
+        return cls(config, head, getattr(model, "classify", None) if config.is_classifier else None)
 
     def remove(self, request_id: str) -> None:
         self.partial.pop(request_id, None)
@@ -48,8 +54,13 @@ class Pooler:
         prompt it completes (``completing``: their indices in ``batch.requests``)."""
         completed = set(completing)
         outputs = {}
+        whole = []  # embed requests whose whole prompt is in this step: pooled together
         for index, request in enumerate(batch.requests):
             if request.pooling_params is None:
+                continue
+            if (index in completed and request.num_computed_tokens == 0 and request.pooling_params.task == "embed"
+                    and self.config.custom is None):
+                whole.append(index)
                 continue
             rows = hidden_states[query_start[index]:query_start[index + 1]]
             request_id = request.request_id
@@ -58,7 +69,39 @@ class Pooler:
                 outputs[request_id] = self._output(request, rows, part)
             else:
                 self.partial[request_id] = part
+        if whole:
+            outputs.update(self._embed_whole(hidden_states, batch, np.asarray(query_start), whole))
         return outputs
+
+    def _embed_whole(self, hidden_states: torch.Tensor, batch: Batch, query_start: np.ndarray,
+                     indices: list[int]) -> dict[str, torch.Tensor]:
+        """The embeddings of prompts this step computes whole, in a few batched ops instead of a
+        few per request: one gather (last, CLS) or one segment sum (mean) over the step's rows."""
+        rows = np.asarray(indices)
+        starts, ends = query_start[rows], query_start[rows + 1]
+        device = hidden_states.device
+        if self.config.pooling_type == "mean":
+            # Each row's position among `indices`; the rows of other requests go to a last, dropped sum.
+            lengths = ends - starts
+            firsts = np.cumsum(lengths) - lengths  # each prompt's first row among the selected ones
+            token_rows = np.repeat(starts - firsts, lengths) + np.arange(int(lengths.sum()))
+            segments = np.full(hidden_states.shape[0], len(indices), dtype=np.int64)
+            segments[token_rows] = np.repeat(np.arange(len(indices)), lengths)
+            sums = torch.zeros(len(indices) + 1, hidden_states.shape[1], dtype=torch.float32, device=device)
+            sums.index_add_(0, torch.from_numpy(segments).to(device, non_blocking=True), hidden_states.float())
+            counts = torch.from_numpy(lengths.astype(np.float32)).to(device, non_blocking=True)
+            embeddings = sums[:-1] / counts[:, None]
+        else:
+            picked = starts if self.config.pooling_type == "cls" else ends - 1
+            embeddings = hidden_states[torch.from_numpy(picked).to(device, non_blocking=True)].float()
+        requests = [batch.requests[index] for index in indices]
+        plain = all(r.pooling_params.dimensions is None and r.pooling_params.normalize is None for r in requests)
+        if plain and self.config.normalize:
+            embeddings = F.normalize(embeddings, dim=-1)
+        if plain:
+            return {request.request_id: embedding for request, embedding in zip(requests, embeddings)}
+        return {request.request_id: self._finish_embedding(request, embedding)
+                for request, embedding in zip(requests, embeddings)}
 
     def _carry(self, request: CachedRequestState, rows: torch.Tensor,
                part: torch.Tensor | list[torch.Tensor] | None) -> torch.Tensor | list[torch.Tensor] | None:
@@ -84,7 +127,7 @@ class Pooler:
         if params.task == "encode":
             return torch.cat(part)
         if params.task in ("classify", "score"):
-            logits = self.head @ rows[-1].float()
+            logits = self.head @ rows[-1].float() if self.head is not None else self.classify(rows).float()
             if params.activation:
                 logits = logits.sigmoid() if logits.shape[0] == 1 else logits.softmax(dim=-1)
             return logits
@@ -96,6 +139,11 @@ class Pooler:
             embedding = part
         else:
             embedding = rows[-1].float()
+        return self._finish_embedding(request, embedding)
+
+    def _finish_embedding(self, request: CachedRequestState, embedding: torch.Tensor) -> torch.Tensor:
+        """A pooled embedding cut to the request's ``dimensions`` and normalized if it asks."""
+        params = request.pooling_params
         if params.dimensions is not None:
             embedding = embedding[:params.dimensions]
         if self.config.normalize if params.normalize is None else params.normalize:

@@ -146,7 +146,7 @@ class Worker:
                                 if config.preemption_mode == "swap" else 0)
         self._allocate_host_cache(self.num_host_blocks)
         phase("host_swap_cache")
-        pooler = Pooler.for_model(model_config, self.device) if model_config.pooler is not None else None
+        pooler = Pooler.for_model(model_config, self.device, model) if model_config.pooler is not None else None
         self.runner = ModelRunner(model, hooks, self.device, config.block_size, self.attention_backend, config.seed,
                                   InputBatch(self.kv_cache_groups.num_groups, self.device, config.max_num_seqs,
                                              -(-model_config.max_model_len // config.block_size)), pooler)

@@ -55,13 +55,13 @@ def make_batch(
     )
 
 
-def reference_fp64(batch: dict) -> torch.Tensor:
+def reference_fp64(batch: dict, **variant) -> torch.Tensor:
     as64 = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
-    return reference.paged_attention(**as64)
+    return reference.paged_attention(**as64, **variant)
 
 
-def assert_close_to_reference(batch: dict, out: torch.Tensor, tol: float = 1e-2) -> None:
-    expected = reference_fp64(batch)
+def assert_close_to_reference(batch: dict, out: torch.Tensor, tol: float = 1e-2, **variant) -> None:
+    expected = reference_fp64(batch, **variant)
     assert out.dtype == batch["query"].dtype
     assert not out.isnan().any(), "some output rows were never written"
     rel = (out.double() - expected).norm() / expected.norm()
@@ -94,6 +94,15 @@ def test_prefill_chunk_starting_mid_block_after_cached_context(head_dim):
 def test_prefill_from_empty_context(head_dim):
     batch = make_batch(q_lens=[2048, 300], seq_lens=[2048, 300], head_dim=head_dim)
     assert_close_to_reference(batch, triton_attention.paged_attention(**batch))
+
+
+@pytest.mark.parametrize("window", [None, 65], ids=["bert", "modernbert-local"])
+def test_bidirectional_prompts_of_an_encoder(window):
+    # BERT-base's heads; ModernBERT's local layers see 64 tokens on each side.
+    lens = [512, 16, 300, 77, 1]
+    batch = make_batch(q_lens=lens, seq_lens=lens, num_heads=12, num_kv_heads=12, head_dim=64)
+    out = triton_attention.paged_attention(**batch, causal=False, sliding_window=window)
+    assert_close_to_reference(batch, out, causal=False, sliding_window=window)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 16), (32, 8), (32, 4)])

@@ -1,0 +1,132 @@
+"""``TransformersEncoderModel``: a Hugging Face encoder (BERT, RoBERTa / XLM-R, ModernBERT...)
+behind hookllm's model contract, for the pooling runner.
+
+As for causal LMs (:mod:`.model`), transformers' own class is built with
+``attn_implementation="hookllm"``: its attention modules call hookllm's paged attention, here
+bidirectional (``causal=False``), and everything else (absolute, RoPE or RoBERTa-style
+positions, token types, post-norm layers, ModernBERT's local attention) is transformers' code.
+The flat batch goes in as one sequence; the paged attention keeps the sequences apart, which is
+why an encoder's prompt is computed in one step (a chunk's queries would need later keys).
+
+A ``*ForSequenceClassification`` checkpoint keeps transformers' head: :meth:`classify` runs the
+classifier's forward with its encoder standing in for the prompt's hidden states, so it pools
+(BERT's pooler over CLS, RoBERTa's head, ModernBERT's mean or CLS) as it was trained to.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterable
+
+import torch
+import transformers
+from torch import nn
+
+from hookllm.adapters.transformers import attention, support
+from hookllm.adapters.transformers.model import HiddenStatesOutput
+from hookllm.adapters.transformers.weights import build_empty, load_checkpoint_tensors, materialize
+from hookllm.config import position_offset
+from hookllm.worker.forward_context import get_forward_context
+
+
+class TransformersEncoderModel(nn.Module):
+    """A transformers encoder on hookllm's paged attention; built under ``building_on``."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        model_cls = encoder_class(config)
+        config = copy.deepcopy(config)
+        config.use_cache = False
+        attention.register()
+        dtype = torch.get_default_dtype()
+        self.hf_model = build_empty(model_cls, config, dtype)
+        support.check_structure(self.hf_model)
+        materialize(self.hf_model, dtype)
+        base = self.hf_model.base_model
+        self._base_path = next(path for path, module in self.hf_model.named_modules() if module is base)
+        self.position_offset = position_offset(config)
+        # Token types (a pair's second text is type 1) where the encoder has more than one.
+        self.uses_token_types = getattr(config, "type_vocab_size", 1) > 1
+        specs = attention.probe(self.hf_model, self._probe_forward, causal=False)
+        self.attention = nn.ModuleList(attention.PagedLayer(spec) for spec in specs)
+        self._route = attention.PagedRoute(self.attention)
+        self._stand_in = _EncoderStandIn(getattr(base, "pooler", None))
+
+    @property
+    def encoder(self) -> nn.Module:
+        """The transformers base model (the classifier's encoder, or the whole model)."""
+        return self.hf_model.get_submodule(self._base_path) if self._base_path else self.hf_model
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.hf_model.get_input_embeddings()(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The last hidden state of every token (the encoder's final norm included)."""
+        inputs = {"input_ids": input_ids[None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
+        token_types = get_forward_context().token_type_ids
+        if self.uses_token_types and token_types is not None:
+            inputs["token_type_ids"] = token_types[None]
+        with attention.routed_to(self._route):
+            return self.encoder(**inputs, position_ids=(positions + self.position_offset)[None])[0][0]
+
+    def _probe_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        self.encoder(input_ids=input_ids[None], position_ids=(positions + self.position_offset)[None])
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(f"{type(self.hf_model).__name__} is an encoder: it has no LM head to sample from")
+
+    @torch.inference_mode()
+    def classify(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[prompt tokens, hidden]`` of one prompt -> its classifier's ``[labels]`` logits, by
+        the transformers classifier's own forward over them."""
+        parent, _, name = self._base_path.rpartition(".")
+        modules = (self.hf_model.get_submodule(parent) if parent else self.hf_model)._modules
+        base = modules[name]
+        self._stand_in.hidden_states = hidden_states[None].to(self.hf_model.dtype)
+        modules[name] = self._stand_in
+        try:
+            return self.hf_model(return_dict=True).logits[0]
+        finally:
+            modules[name] = base
+            self._stand_in.hidden_states = None
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        load_checkpoint_tensors(self.hf_model, weights)
+
+
+def encoder_class(config: Any) -> type:
+    """The transformers class of an encoder checkpoint's first architecture (its base model, a
+    classifier, or a masked LM whose head goes unused); :class:`.support.Unsupported` for what
+    the backend cannot serve."""
+    architecture = (getattr(config, "architectures", None) or [""])[0]
+    name = f"{architecture} (model_type {config.model_type!r})"
+    model_cls = getattr(transformers, architecture, None) if architecture.isidentifier() else None
+    if not (isinstance(model_cls, type) and issubclass(model_cls, transformers.PreTrainedModel)):
+        raise support.Unsupported(f"{name}: transformers has no such model class")
+    if getattr(config, "is_encoder_decoder", False):
+        raise support.Unsupported(f"{name} is an encoder-decoder model; the transformers backend serves decoders "
+                                  "and encoders")
+    embedding = getattr(config, "position_embedding_type", "absolute")
+    if embedding not in (None, "absolute", "rope", "rotary"):
+        raise support.Unsupported(f"{name} uses {embedding!r} position embeddings, an attention bias hookllm's "
+                                  "kernels lack")
+    support.check_config(config, name)
+    if not model_cls._supports_attention_backend:
+        raise support.Unsupported(f"{name}: its transformers code does not route attention through transformers' "
+                                  "attention interface, so hookllm's paged attention cannot take its place")
+    return model_cls
+
+
+class _EncoderStandIn(nn.Module):
+    """Returns the hidden states it holds as the encoder's output, and the encoder's own pooler
+    over them (BERT's dense + tanh of the CLS token) where it has one."""
+
+    def __init__(self, pooler: nn.Module | None):
+        super().__init__()
+        self.pooler = pooler
+        self.hidden_states: torch.Tensor | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> HiddenStatesOutput:
+        pooled = self.pooler(self.hidden_states) if self.pooler is not None else None
+        return HiddenStatesOutput(self.hidden_states, pooled)
