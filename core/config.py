@@ -72,6 +72,18 @@ def is_encoder(hf_config: Any) -> bool:
             and not getattr(hf_config, "is_encoder_decoder", False))
 
 
+# ColBERT checkpoints as the colbert-ai library saves them (a BERT and a `linear` projection).
+COLBERT_ARCHITECTURE = "HF_ColBERT"
+
+
+def base_model_architecture(hf_config: Any) -> str:
+    """The transformers base model class name of the checkpoint's model type (``BertModel``)."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    name = MODEL_MAPPING_NAMES.get(getattr(hf_config, "model_type", None), "")
+    return name if isinstance(name, str) else name[0]
+
+
 def position_offset(hf_config: Any) -> int:
     """Where an encoder's position ids start: ``pad_token_id + 1`` for the RoBERTa family, whose
     transformers code numbers positions after the padding index (its embeddings'
@@ -80,8 +92,7 @@ def position_offset(hf_config: Any) -> int:
 
     import transformers
 
-    architecture = (getattr(hf_config, "architectures", None) or [""])[0]
-    model_cls = getattr(transformers, architecture, None) if architecture.isidentifier() else None
+    model_cls = getattr(transformers, base_model_architecture(hf_config), None)
     if model_cls is None:
         return 0
     module = sys.modules[model_cls.__module__]
@@ -148,7 +159,12 @@ class ModelConfig:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
         architecture, weight_prefix = architectures[0], ""
         classifier = architecture.endswith("ForSequenceClassification")
-        if classifier:
+        if architecture == COLBERT_ARCHITECTURE and encoder:
+            # ColBERT's own format: its encoder's base model, whose tokens a `linear` layer
+            # projects for late interaction (the pooler's).
+            architecture = base_model_architecture(hf_config)
+            pooler = PoolerConfig("cls", True, projection="linear.weight")
+        elif classifier:
             pooler = PoolerConfig.classifier(hf_config, own_head=encoder)
         else:
             pooler = PoolerConfig.for_checkpoint(path, hf_config)
@@ -173,6 +189,8 @@ class ModelConfig:
                 # embedding (it has none of its own, and the pooling runner computes no logits).
                 architecture, weight_prefix = architecture[:-len("Model")] + "ForCausalLM", "model."
                 text.tie_word_embeddings = True
+        if architecture != architectures[0]:
+            hf_config.architectures = [architecture]  # what the model class builds
         return cls(str(path), hf_config, architecture, dtype, int(max_model_len), runner=runner,
                    pooler=pooler if runner == "pooling" else None, weight_prefix=weight_prefix, encoder=encoder)
 

@@ -55,13 +55,17 @@ class PoolerConfig:
     ``matryoshka``: whether a request may ask for fewer ``dimensions``. ``labels``: a
     classifier's labels' names, None for a model without a classification head; ``head``: the
     checkpoint tensor of a decoder classifier's head (``score.weight``, ``[labels, hidden]``),
-    None where the model computes its own (an encoder's transformers classifier)."""
+    None where the model computes its own (an encoder's transformers classifier).
+    ``projection``: a late-interaction model's (ColBERT's) per-token projection, the checkpoint
+    tensor ``[dim, hidden]`` each token's hidden state goes through (then normalized) for
+    ``encode`` and MaxSim scoring."""
 
     pooling_type: str = "last"
     normalize: bool = True
     matryoshka: bool = False
     head: str | None = None
     labels: list[str] | None = None
+    projection: str | None = None
     # A plugin's pooler (``--pooler NAME``, ``Components.add_pooler``): every prompt token's
     # hidden state and the request in, the embedding out; pooling_type is then its name.
     custom: Callable[[Any, Any], Any] | None = None
@@ -88,6 +92,15 @@ class PoolerConfig:
     @property
     def is_classifier(self) -> bool:
         return self.labels is not None
+
+    @property
+    def late_interaction(self) -> bool:
+        return self.projection is not None
+
+    @property
+    def checkpoint_tensors(self) -> list[str]:
+        """The checkpoint tensors the pooler reads (the model's loader skips them)."""
+        return [name for name in (self.head, self.projection) if name is not None]
 
     @classmethod
     def classifier(cls, hf_config: Any, own_head: bool = False) -> "PoolerConfig":

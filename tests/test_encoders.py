@@ -136,3 +136,51 @@ def test_an_xlm_roberta_serves_its_positions_after_the_padding_index(tmp_path_fa
     # 66 position embeddings, numbered from pad_token_id + 1 = 1: 65 tokens at most.
     llm = LLM(str(encoder_dir(tmp_path_factory, "xlm-roberta")), device="cpu")
     assert llm.engine.model_config.max_model_len == 65
+
+
+@pytest.fixture(scope="module")
+def colbert(tmp_path_factory):
+    """A ColBERT checkpoint as the colbert-ai library saves one (``HF_ColBERT``: the BERT's tensors
+    under ``bert.``, a ``linear`` projection of each token to 16 dimensions), and the reference:
+    each text's token embeddings, normalized, from transformers' BertModel and that projection."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = encoder_dir(tmp_path_factory, "bert")
+    reference = testing.load_reference(path, AutoModel)
+    tensors = {f"bert.{name}": tensor for name, tensor in load_file(str(path / "model.safetensors")).items()}
+    projection = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+    save_file({**tensors, "linear.weight": projection}, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["HF_ColBERT"]}))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+
+    def token_embeddings(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            hidden = reference(torch.tensor([tokenizer(text)["input_ids"]])).last_hidden_state[0]
+        return torch.nn.functional.normalize(hidden @ projection.T, dim=-1)
+
+    return path, token_embeddings
+
+
+def test_a_colbert_model_gives_projected_normalized_token_embeddings(colbert):
+    path, token_embeddings = colbert
+    llm = LLM(str(path), dtype="float32", device="cpu")
+    for text, output in zip(TEXTS, llm.encode(TEXTS)):
+        torch.testing.assert_close(output.outputs.data, token_embeddings(text), atol=1e-5, rtol=1e-5)
+
+
+def test_a_colbert_model_scores_pairs_by_maxsim(colbert):
+    path, token_embeddings = colbert
+    query, documents = "what is the capital of france", ["paris is the capital of france", "the lazy dog", "x"]
+    want = [float((token_embeddings(query) @ token_embeddings(doc).T).max(dim=1).values.sum()) for doc in documents]
+    llm = LLM(str(path), dtype="float32", device="cpu")
+    got = [output.outputs.score for output in llm.score(query, documents)]
+    assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_a_colbert_model_refuses_single_vector_embeddings(colbert):
+    llm = LLM(str(colbert[0]), dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="late-interaction model: it gives token embeddings"):
+        llm.embed("hello world")

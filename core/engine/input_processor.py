@@ -74,6 +74,9 @@ class InputProcessor:
 
     def _pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams) -> EngineCoreRequest:
         pooler = self.model_config.pooler
+        if pooler.late_interaction and params.task != "encode":
+            raise ValueError(f"request {request_id}: {self.config.model} is a late-interaction model: it gives "
+                             f"token embeddings (encode, score), not the {params.task} task")
         if params.task in ("classify", "score") and not pooler.is_classifier:
             raise ValueError(f"request {request_id}: the {params.task} task needs a classification head: "
                              f"{self.config.model} has none (a *ForSequenceClassification checkpoint has one)")

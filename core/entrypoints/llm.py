@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 from hookllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from hookllm.entrypoints.chat import render_chat
-from hookllm.entrypoints.scoring import is_cross_encoder, pair_prompts, pair_scores, pair_texts
+from hookllm.entrypoints.scoring import CROSS_ENCODER, pair_scores, pair_texts, score_inputs, score_method
 from hookllm.config import EngineConfig
 from hookllm.engine.llm_engine import LLMEngine
 from hookllm.inputs import PromptType
@@ -144,21 +144,20 @@ class LLM:
               pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
         """How well each ``text_2`` answers its ``text_1`` (one ``text_1`` for every ``text_2``, or
         lists of one length, paired in order). A cross-encoder (a classifier of one label) reads
-        each pair as the tokenizer joins two texts and gives its probability; an embedding model
-        gives the cosine similarity of the two texts' embeddings."""
+        each pair as the tokenizer joins two texts and gives its probability; a late-interaction
+        model (ColBERT) gives the MaxSim of the two texts' token embeddings; an embedding model
+        the cosine similarity of their embeddings."""
         firsts, seconds = pair_texts(text_1, text_2)
-        cross = is_cross_encoder(self.engine.model_config.pooler, self.engine.config.model)
-        if cross:
-            params = dataclasses.replace(pooling_params or PoolingParams(), task="score")
-            outputs = self.encode(pair_prompts(self.get_tokenizer(), firsts, seconds), params, use_tqdm)
-            prompts = [output.prompt_token_ids for output in outputs]
+        method = score_method(self.engine.model_config.pooler, self.engine.config.model)
+        prompts, fields = score_inputs(method, self.get_tokenizer(), firsts, seconds)
+        outputs = self.encode(prompts, dataclasses.replace(pooling_params or PoolingParams(), **fields), use_tqdm)
+        if method == CROSS_ENCODER:
+            tokens = [output.prompt_token_ids for output in outputs]
         else:
-            params = dataclasses.replace(pooling_params or PoolingParams(), task="embed", normalize=True)
-            outputs = self.encode(firsts + seconds, params, use_tqdm)
-            prompts = [first.prompt_token_ids + second.prompt_token_ids
-                       for first, second in zip(outputs[:len(firsts)], outputs[len(firsts):])]
+            tokens = [first.prompt_token_ids + second.prompt_token_ids
+                      for first, second in zip(outputs[:len(firsts)], outputs[len(firsts):])]
         return [ScoringRequestOutput(output.request_id, ScoringOutput(score), prompt)
-                for output, score, prompt in zip(outputs[-len(seconds):], pair_scores(outputs, cross), prompts)]
+                for output, score, prompt in zip(outputs[-len(seconds):], pair_scores(outputs, method), tokens)]
 
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams | PoolingParams]) -> list[str]:
         """Queue one request per prompt; if any is refused (or adding it raises anything), none

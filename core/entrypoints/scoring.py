@@ -1,6 +1,7 @@
 """What ``LLM.score`` and the server's ``/score`` and ``/rerank`` share: pairing the texts and
-choosing how a model scores a pair (a cross-encoder reads both texts at once; an embedding
-model compares their embeddings)."""
+choosing how a model scores a pair: a cross-encoder reads both texts at once; a late-interaction
+model (ColBERT) matches each token of the first text with its best match in the second; an
+embedding model compares their embeddings."""
 
 from __future__ import annotations
 
@@ -21,25 +22,45 @@ def pair_texts(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> tupl
     return firsts, seconds
 
 
-def is_cross_encoder(pooler: PoolerConfig | None, model: str) -> bool:
-    """Whether the model scores a pair itself (a classifier of one label) rather than through
-    embeddings; ``ValueError`` for a classifier of several labels, which does neither."""
+CROSS_ENCODER, LATE_INTERACTION, EMBEDDINGS = "cross-encoder", "late-interaction", "embeddings"
+
+
+def score_method(pooler: PoolerConfig | None, model: str) -> str:
+    """How the model scores a pair: ``CROSS_ENCODER`` (a classifier of one label),
+    ``LATE_INTERACTION`` (its checkpoint projects each token for MaxSim) or ``EMBEDDINGS``;
+    ``ValueError`` for a classifier of several labels, which does none of them."""
+    if pooler is not None and pooler.late_interaction:
+        return LATE_INTERACTION
     if pooler is None or not pooler.is_classifier:
-        return False
+        return EMBEDDINGS
     if len(pooler.labels) != 1:
         raise ValueError(f"scoring needs a cross-encoder (a classifier of one label) or an embedding model; "
                          f"{model} is a classifier of {len(pooler.labels)} labels: use classify")
-    return True
+    return CROSS_ENCODER
 
 
-def pair_scores(outputs: list[PoolingRequestOutput], cross_encoder: bool) -> list[float]:
-    """Each pair's score from its pooling outputs: a cross-encoder's one per pair (the ``score``
-    task's probability); an embedding model's two per pair, the firsts then the seconds
-    (normalized embeddings: their dot product is the cosine)."""
-    if cross_encoder:
+def score_inputs(method: str, tokenizer: Any, firsts: list[str], seconds: list[str]) -> tuple[list, dict[str, Any]]:
+    """What to pool for the pairs, and the ``PoolingParams`` fields it takes: a cross-encoder's
+    pairs joined by the tokenizer (the ``score`` task); else the firsts then the seconds, each
+    alone (a late-interaction model's token embeddings, or normalized embeddings)."""
+    if method == CROSS_ENCODER:
+        return pair_prompts(tokenizer, firsts, seconds), {"task": "score"}
+    if method == LATE_INTERACTION:
+        return firsts + seconds, {"task": "encode"}
+    return firsts + seconds, {"task": "embed", "normalize": True}
+
+
+def pair_scores(outputs: list[PoolingRequestOutput], method: str) -> list[float]:
+    """Each pair's score from the outputs of :func:`score_inputs`' prompts: a cross-encoder's
+    probability; a late-interaction model's MaxSim (for each token of the first text, its best
+    dot product with a token of the second, summed); the cosine of two normalized embeddings."""
+    if method == CROSS_ENCODER:
         return [float(output.outputs.data[0]) for output in outputs]
     half = len(outputs) // 2
-    return [float(first.outputs.data @ second.outputs.data) for first, second in zip(outputs[:half], outputs[half:])]
+    pairs = zip(outputs[:half], outputs[half:])
+    if method == LATE_INTERACTION:
+        return [float((first.outputs.data @ second.outputs.data.T).max(dim=1).values.sum()) for first, second in pairs]
+    return [float(first.outputs.data @ second.outputs.data) for first, second in pairs]
 
 
 def pair_prompts(tokenizer: Any, firsts: list[str], seconds: list[str]) -> list[dict[str, list[int]]]:

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from hookllm.engine.async_llm import EngineDeadError, EngineStepError
-from hookllm.entrypoints.scoring import is_cross_encoder, pair_prompts, pair_scores, pair_texts
+from hookllm.entrypoints.scoring import pair_scores, pair_texts, score_inputs, score_method
 from hookllm.outputs import PoolingRequestOutput
 from hookllm.pooling_params import PoolingParams
 from hookllm.server.errors import OpenAIError, engine_error, error_responses
@@ -63,16 +63,13 @@ async def scores(state: ServerState, text_1: str | list[str], text_2: str | list
     """Each pair's score (see ``LLM.score``) and the tokens read."""
     try:
         firsts, seconds = pair_texts(text_1, text_2)
-        cross = is_cross_encoder(state.engine.model_config.pooler, state.engine.config.model)
+        method = score_method(state.engine.model_config.pooler, state.engine.config.model)
     except ValueError as exc:
         raise OpenAIError(400, str(exc)) from None
-    if cross:
-        params = pooling_params(task="score", truncate_prompt_tokens=truncate_prompt_tokens)
-        outputs = await pool(state, pair_prompts(state.engine.tokenizer, firsts, seconds), params, "score")
-    else:
-        params = pooling_params(task="embed", normalize=True, truncate_prompt_tokens=truncate_prompt_tokens)
-        outputs = await pool(state, firsts + seconds, params, "score")
-    return pair_scores(outputs, cross), usage(outputs).total_tokens
+    prompts, fields = score_inputs(method, state.engine.tokenizer, firsts, seconds)
+    outputs = await pool(state, prompts, pooling_params(**fields, truncate_prompt_tokens=truncate_prompt_tokens),
+                         "score")
+    return pair_scores(outputs, method), usage(outputs).total_tokens
 
 
 async def respond(request: Request, model: str | None,

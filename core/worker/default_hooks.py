@@ -28,7 +28,7 @@ def load_model(device: torch.device, dtype: torch.dtype, context: EngineContext)
             quantize_model(model, model_config.quantization)
     pooler = model_config.pooler
     load_checkpoint(model, model_config.path, model_config.load_format, model_config.quantization,
-                    model_config.weight_prefix, [pooler.head] if pooler is not None and pooler.head else [])
+                    model_config.weight_prefix, pooler.checkpoint_tensors if pooler is not None else [])
     return model.eval()
 
 

@@ -26,9 +26,11 @@ from hookllm.worker.batch import Batch, CachedRequestState
 
 class Pooler:
     def __init__(self, config: PoolerConfig, head: torch.Tensor | None = None,
-                 classify: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 classify: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 projection: torch.Tensor | None = None):
         self.config = config
         self.head = head  # [labels, hidden] float32 on the device: a decoder classifier's score head
+        self.projection = projection  # [dim, hidden] float32: a late-interaction model's, for encode
         self.classify = classify  # an encoder classifier's: a prompt's rows -> its logits
         # By request: the pooled part of the chunks before this step.
         self.partial: dict[str, torch.Tensor | list[torch.Tensor]] = {}
@@ -38,12 +40,18 @@ class Pooler:
         """The pooler of a model served by the pooling runner, a decoder's classification head
         (if any) read from the checkpoint (random with ``load_format="dummy"``)."""
         config = model_config.pooler
-        head = None
-        if config.head is not None:
-            head = (torch.randn(len(config.labels), model_config.hf_config.hidden_size) * 0.02
-                    if model_config.load_format == "dummy" else load_tensor(model_config.path, config.head))
-            head = head.to(device, torch.float32)
-        return cls(config, head, getattr(model, "classify", None) if config.is_classifier else None)
+        hidden_size = model_config.hf_config.hidden_size
+
+        def tensor(name: str | None, rows: int) -> torch.Tensor | None:
+            if name is None:
+                return None
+            dummy = model_config.load_format == "dummy"
+            value = torch.randn(rows, hidden_size) * 0.02 if dummy else load_tensor(model_config.path, name)
+            return value.to(device, torch.float32)
+
+        head = tensor(config.head, len(config.labels or ()))
+        projection = tensor(config.projection, getattr(model_config.hf_config, "dim", 128))
+        return cls(config, head, getattr(model, "classify", None) if config.is_classifier else None, projection)
 
     def remove(self, request_id: str) -> None:
         self.partial.pop(request_id, None)
@@ -124,6 +132,8 @@ class Pooler:
                 part: torch.Tensor | list[torch.Tensor] | None) -> torch.Tensor:
         """The completed request's output, from its last chunk's ``rows`` and what the chunks left."""
         params = request.pooling_params
+        if params.task == "encode" and self.projection is not None:
+            return F.normalize(torch.cat(part) @ self.projection.T, dim=-1)
         if params.task == "encode":
             return torch.cat(part)
         if params.task in ("classify", "score"):
