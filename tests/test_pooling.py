@@ -133,3 +133,18 @@ def test_an_input_the_cache_can_never_hold_is_refused_naming_its_size(tiny_llama
     with pytest.raises(ValueError, match=r"the input \(40 tokens\) needs 3 KV blocks"):
         llm.embed([list(range(3, 43))])
     assert llm.embed([[5, 6, 7]])[0].outputs.hidden_size == 64
+
+
+def test_a_calls_texts_are_tokenized_together_as_the_engine_tokenizes_each(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", runner="pooling")
+    calls = []
+    tokenizer = llm.get_tokenizer()
+    real_call = type(tokenizer).__call__
+    prompts = TEXTS + [{"prompt": "x y"}, [5, 6]]
+    try:
+        type(tokenizer).__call__ = lambda self, text, *a, **k: calls.append(text) or real_call(self, text, *a, **k)
+        outputs = llm.embed(prompts, use_tqdm=False)
+    finally:
+        type(tokenizer).__call__ = real_call
+    assert calls == [TEXTS + ["x y"]]  # one call; the token ids need none
+    assert [o.prompt_token_ids for o in outputs] == [tokenizer(t)["input_ids"] for t in TEXTS + ["x y"]] + [[5, 6]]

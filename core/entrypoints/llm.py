@@ -163,6 +163,7 @@ class LLM:
         """Queue one request per prompt; if any is refused (or adding it raises anything), none
         of them stays queued, and the error names the prompt."""
         request_ids: list[str] = []
+        prompts = self.engine.input_processor.tokenize_texts(prompts)
         try:
             for prompt, request_params in zip(prompts, params):
                 request_ids.append(self.engine.add_request(self._next_request_id(), prompt, request_params))
