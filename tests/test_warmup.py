@@ -7,11 +7,11 @@ import logging
 
 import pytest
 
-from hookllm import SamplingParams
+from hookllm import LLM, SamplingParams
 from hookllm.engine.arg_utils import EngineArgs
 from hookllm.worker.cuda_graph import batch_size_buckets
 from hookllm.utils import FlexibleArgumentParser
-from hookllm.worker.warmup import PROMPT_LOGPROBS, SAMPLER_PATHS, warm_up, warmup_steps
+from hookllm.worker.warmup import PROMPT_LOGPROBS, SAMPLER_PATHS, pooling_warmup_steps, warm_up, warmup_steps
 
 # Small limits keep the warm-up short on the CPU.
 LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=64)
@@ -114,3 +114,29 @@ def test_no_warmup_flag_turns_it_off():
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     assert EngineArgs.from_cli_args(parser.parse_args(["--no-warmup"])).create_engine_config().warmup is False
     assert EngineArgs.from_cli_args(parser.parse_args([])).create_engine_config().warmup is True
+
+
+@pytest.mark.parametrize("chunks", [True, False], ids=["decoder", "encoder"])
+def test_pooling_warmup_pools_whole_prompts_up_to_the_model_length_and_several_together(chunks):
+    steps = pooling_warmup_steps(8192, 512, 16, chunks)
+    assert all(sum(row.query for row in step.rows) <= 8192 for step in steps)
+    fresh = {step.rows[0].query for step in steps if len(step.rows) == 1 and step.rows[0].context == 0}
+    assert {2 ** k for k in range(1, 10)} <= fresh  # 2 .. 512: a pooling prompt may fill max_model_len
+    assert any(row.context > 0 for step in steps for row in step.rows) == chunks  # an encoder never chunks
+    assert max(len(step.rows) for step in steps) > 1
+
+
+def test_the_pooling_warmup_runs_on_an_encoder_and_leaves_its_embeddings_unchanged(tmp_path):
+    from transformers import AutoModel, BertConfig
+
+    from hookllm import testing
+
+    config = BertConfig(vocab_size=testing.WORDPIECE_VOCAB_SIZE, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=64, max_position_embeddings=64)
+    testing.build_tiny_checkpoint(config, tmp_path, model_cls=AutoModel)
+    testing.build_tiny_wordpiece_tokenizer(tmp_path)
+    warmed, plain = (LLM(str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=48) for _ in range(2))
+    warm_up(warmed.engine.engine_core.executor)
+    assert not warmed.engine.engine_core.executor.runner.requests
+    texts = ["hello world", "the quick brown fox"]
+    assert [o.outputs.embedding for o in warmed.embed(texts)] == [o.outputs.embedding for o in plain.embed(texts)]

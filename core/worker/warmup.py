@@ -12,7 +12,9 @@ to the first requests, all of this lands in their time to first token.
 The warm-up runs, once, steps that meet each of these: prefills of every power-of-two length,
 chunks after cached context next to a decode, decodes at every batch size (each CUDA graph
 bucket, and eager beyond the largest) and at power-of-two contexts, and each sampler path at
-every alignment of its parameter table.
+every alignment of its parameter table. The pooling runner samples nothing: its warm-up is the
+prefills (and, unless the model is an encoder, the chunks after context), each one pooled, and a
+step of several prompts pooled together.
 The synthetic requests read and write KV blocks the block manager never lent (their contents
 are never read by a real request before it writes them), are dropped from the runner at the
 end, and the engine's sampling generator is restored, so the engine is as it was.
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 
 from hookllm.worker.cuda_graph import batch_size_buckets
+from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import SamplingParams
 from hookllm.sched.output import NewRequestData, SchedulerOutput
 
@@ -54,6 +57,7 @@ SAMPLER_PATHS = (
                    logit_bias={0: 1.0}),
 )
 PROMPT_LOGPROBS = SamplingParams(temperature=0.0, prompt_logprobs=5)
+POOLED = PoolingParams(task="embed")
 # The sampler's float32 table holds one row per parameter, each as long as the batch, so parameter
 # row k starts 16-byte aligned when k * batch is a multiple of 4 (Triton compiles each alignment
 # pattern apart): batches of 1, 2 and 4 rows meet every pattern (an odd batch aligns only the
@@ -68,7 +72,7 @@ class Row:
 
     context: int
     query: int
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # pooling params: the row is pooled, not sampled
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,23 @@ def warmup_steps(max_num_batched_tokens: int, max_model_len: int, block_size: in
     return steps
 
 
+def pooling_warmup_steps(max_num_batched_tokens: int, max_model_len: int, block_size: int,
+                         chunks: bool) -> list[Step]:
+    """The pooling runner's steps: fresh prompts of every power-of-two length (a pooling prompt
+    may fill ``max_model_len``), with ``chunks`` a chunk after cached context too, and four
+    prompts in one step."""
+    budget = max_num_batched_tokens
+    steps = [Step((Row(0, q, POOLED),)) for q in doubling(2, min(budget, max_model_len))]
+    if chunks:
+        context = max(0, min(block_size, max_model_len - 2))
+        steps += [Step((Row(context, q, POOLED),)) for q in doubling(2, min(budget, max_model_len - context))]
+    several: list[Row] = []
+    for query in (2, 3, 5, 7):
+        if query <= max_model_len and sum(row.query for row in several) + query <= budget:
+            several.append(Row(0, query, POOLED))
+    return steps + [Step(tuple(several))]
+
+
 def warm_up(worker: "Worker") -> float:
     """Run the warm-up steps on ``worker`` and log their time; returns the seconds taken.
 
@@ -123,8 +144,13 @@ def warm_up(worker: "Worker") -> float:
     config = worker.config
     graphs = worker.runner.cuda_graphs
     decode_sizes = sorted(set(batch_size_buckets(config.max_num_seqs)) | set(graphs.buckets if graphs else []))
-    steps = warmup_steps(config.max_num_batched_tokens, worker.model_config.max_model_len, config.block_size,
-                         decode_sizes)
+    model_config = worker.model_config
+    if model_config.runner == "pooling":
+        steps = pooling_warmup_steps(config.max_num_batched_tokens, model_config.max_model_len, config.block_size,
+                                     chunks=not model_config.encoder)
+    else:
+        steps = warmup_steps(config.max_num_batched_tokens, model_config.max_model_len, config.block_size,
+                             decode_sizes)
     generator = worker.runner.generator
     state = generator.get_state()
     for index, step in enumerate(steps):
@@ -138,11 +164,14 @@ def warm_up(worker: "Worker") -> float:
 def _run_step(worker: "Worker", step: Step, prefix: str) -> None:
     """Run ``step`` (and its decode after), wait for its outputs, then drop its requests."""
     ids = [f"{prefix}-{i}" for i in range(len(step.rows))]
-    new = [NewRequestData(request_id, [0] * (row.context + row.query), row.params)
+    new = [NewRequestData(request_id, [0] * (row.context + row.query), GREEDY, pooling_params=row.params)
+           if isinstance(row.params, PoolingParams) else
+           NewRequestData(request_id, [0] * (row.context + row.query), row.params)
            for request_id, row in zip(ids, step.rows)]
     computed = [row.context for row in step.rows]
     counts = [row.query for row in step.rows]
-    outputs = [worker.execute(_snapshot(ids, new, computed, counts, worker))]
+    pooled = isinstance(step.rows[0].params, PoolingParams)
+    outputs = [worker.execute(_snapshot(ids, new, computed, counts, worker, pooled))]
     if step.then_decode:
         after = [c + n for c, n in zip(computed, counts)]
         outputs.append(worker.execute(_snapshot(ids, [], after, [1] * len(ids), worker), outputs[0]))
@@ -152,15 +181,17 @@ def _run_step(worker: "Worker", step: Step, prefix: str) -> None:
 
 
 def _snapshot(ids: list[str], new: list[NewRequestData], computed: list[int], counts: list[int],
-              worker: "Worker") -> SchedulerOutput:
-    """A step in which every request samples (its chunk reaches the end of what it has)."""
+              worker: "Worker", pooled: bool = False) -> SchedulerOutput:
+    """A step in which every request samples (its chunk reaches the end of what it has), or with
+    ``pooled`` is pooled."""
     block_size, num_blocks = worker.config.block_size, worker.num_kv_blocks
     width = max(-(-(c + n) // block_size) for c, n in zip(computed, counts))
     # Every row of every KV cache group reads and writes the same blocks: their contents never
     # matter, only the shapes.
     table = np.tile(np.arange(width, dtype=np.int32) % num_blocks, (worker.kv_cache_groups.num_groups, 1))
-    return SchedulerOutput(new, ids, counts, computed, [[] for _ in ids], list(range(len(ids))),
-                           [(row, 0, table) for row in range(len(ids))])
+    rows = list(range(len(ids)))
+    return SchedulerOutput(new, ids, counts, computed, [[] for _ in ids], [] if pooled else rows,
+                           [(row, 0, table) for row in rows], pooling_rows=rows if pooled else [])
 
 
 def _wait(output: "StepOutput | None") -> None:
@@ -168,3 +199,4 @@ def _wait(output: "StepOutput | None") -> None:
     if output is not None:
         output.resolve()
         output.prompt_logprobs()
+        output.pooled()

@@ -256,7 +256,7 @@ class Worker:
                 stage["intermediate_tensors"] = (None if is_first_stage() else
                                                  torch.zeros(2, num_tokens, hidden_size, dtype=self.dtype, device=self.device))
             hidden = self.model(ids, positions, **stage)
-            if is_last_stage():
+            if is_last_stage() and self.model_config.runner == "generate":  # the pooling runner has no logits
                 self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
