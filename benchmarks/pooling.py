@@ -9,9 +9,10 @@ texts (default 10,000) of 16 to 512 tokens, uniform. Both sides start from the t
 (tokenization included): hookllm's ``LLM.embed`` over all of them, the median of ``--repeat``
 calls; sentence-transformers' ``encode`` (bf16, sdpa attention, the texts sorted by length as it
 does) at each batch size of ``--st-batch-sizes``, the best one reported. Also the FLOPs floor:
-2 x parameters x tokens at the dense bf16 rate, plus attention.
+2 x parameters x tokens at the dense bf16 rate, plus attention. ``--no-compile-too`` times
+hookllm once more without torch.compile (CUDA graphs still on).
 
-    python benchmarks/pooling.py [--shape bert-base] [--num-inputs 10000]
+    python benchmarks/pooling.py [--shape bert-base] [--num-inputs 10000] [--no-compile-too]
 """
 
 from __future__ import annotations
@@ -65,10 +66,10 @@ def workload(num: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choices(words, k=rng.randint(14, 510))) for _ in range(num)]
 
 
-def time_hookllm(path: Path, texts: list[str], repeat: int) -> tuple[list[float], torch.Tensor]:
+def time_hookllm(path: Path, texts: list[str], repeat: int, **engine_args) -> tuple[list[float], torch.Tensor]:
     from hookllm import LLM
 
-    llm = LLM(str(path), max_model_len=512, max_num_seqs=256, max_num_batched_tokens=16384)
+    llm = LLM(str(path), max_model_len=512, max_num_seqs=256, max_num_batched_tokens=16384, **engine_args)
     llm.embed(texts[:256], use_tqdm=False)  # a first call, untimed
     walls, outputs = [], None
     for _ in range(repeat):
@@ -113,6 +114,7 @@ def main() -> None:
     parser.add_argument("--num-inputs", type=int, default=10_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--st-batch-sizes", default="32,128")
+    parser.add_argument("--no-compile-too", action="store_true")
     add_out_argument(parser)
     args = parser.parse_args()
     path = embedding_pipeline(random_checkpoint(args.shape, Path(args.root)), POOLING[args.shape])
@@ -121,6 +123,8 @@ def main() -> None:
     tokens = [len(text.split()) + 2 for text in texts]
     walls, ours = time_hookllm(path, texts, args.repeat)
     ours_s = statistics.median(walls)
+    uncompiled = statistics.median(time_hookllm(path, texts, args.repeat, torch_compile=False)[0]) \
+        if args.no_compile_too else None
     theirs = {int(size): time_sentence_transformers(path, texts, int(size)) for size in args.st_batch_sizes.split(",")}
     best_size = min(theirs, key=lambda size: theirs[size][0])
     theirs_s, reference = theirs[best_size]
@@ -129,6 +133,7 @@ def main() -> None:
     payload = {"device": device_name(), "date": now(), "commit": commit(), "shape": args.shape,
                "pooling": POOLING[args.shape], "num_inputs": args.num_inputs, "tokens": sum(tokens),
                "hookllm_walls_s": walls, "hookllm_embeddings_per_s": args.num_inputs / ours_s,
+               "hookllm_without_torch_compile_embeddings_per_s": uncompiled and args.num_inputs / uncompiled,
                "sentence_transformers_embeddings_per_s": {size: args.num_inputs / s for size, (s, _) in theirs.items()},
                "speedup": theirs_s / ours_s, "flops_floor_embeddings_per_s": args.num_inputs / floor_s,
                "min_cosine_to_sentence_transformers": cosine}
@@ -136,7 +141,9 @@ def main() -> None:
     print(f"{args.shape} on {payload['device']} ({payload['commit']}), {args.num_inputs} texts of 16-512 tokens")
     print(f"hookllm {args.num_inputs / ours_s:,.0f} embeddings/s; sentence-transformers "
           f"{args.num_inputs / theirs_s:,.0f} (batch {best_size}): {theirs_s / ours_s:.2f}x; FLOPs floor "
-          f"{args.num_inputs / floor_s:,.0f}/s ({floor_s / ours_s:.0%}); min cosine {cosine:.4f}\nwrote {out}")
+          f"{args.num_inputs / floor_s:,.0f}/s ({floor_s / ours_s:.0%}); min cosine {cosine:.4f}"
+          + (f"; without torch.compile {args.num_inputs / uncompiled:,.0f}/s" if uncompiled else "")
+          + f"\nwrote {out}")
 
 
 if __name__ == "__main__":

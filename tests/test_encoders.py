@@ -184,3 +184,21 @@ def test_a_colbert_model_refuses_single_vector_embeddings(colbert):
     llm = LLM(str(colbert[0]), dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="late-interaction model: it gives token embeddings"):
         llm.embed("hello world")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_torch_compile_traces_each_encoder_whole_around_the_attention_operator(tmp_path_factory, name):
+    """As for decoders (test_transformers_backend): dynamo traces a whole encoder forward without
+    a graph break (its eager backend: no C compiler here) and computes what the eager one does."""
+    from torch._dynamo.utils import counters
+
+    path = encoder_dir(tmp_path_factory, name)
+    eager = LLM(str(path), dtype="float32", device="cpu")
+    compiled = LLM(str(path), dtype="float32", device="cpu")
+    compiled.engine.engine_core.executor.model.use_torch_compile(backend="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    got = torch.tensor([o.outputs.embedding for o in compiled.embed(TEXTS)])
+    torch.testing.assert_close(got, torch.tensor([o.outputs.embedding for o in eager.embed(TEXTS)]),
+                               atol=1e-5, rtol=0)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]

@@ -23,7 +23,7 @@ import transformers
 from torch import nn
 
 from hookllm.adapters.transformers import attention, support
-from hookllm.adapters.transformers.model import HiddenStatesOutput
+from hookllm.adapters.transformers.model import HiddenStatesOutput, compile_dynamic
 from hookllm.adapters.transformers.weights import build_empty, load_checkpoint_tensors, materialize
 from hookllm.config import position_offset
 from hookllm.worker.forward_context import get_forward_context
@@ -31,6 +31,8 @@ from hookllm.worker.forward_context import get_forward_context
 
 class TransformersEncoderModel(nn.Module):
     """A transformers encoder on hookllm's paged attention; built under ``building_on``."""
+
+    supports_torch_compile = True
 
     def __init__(self, config: Any):
         super().__init__()
@@ -51,6 +53,7 @@ class TransformersEncoderModel(nn.Module):
         self.attention = nn.ModuleList(attention.PagedLayer(spec) for spec in specs)
         self._route = attention.PagedRoute(self.attention)
         self._stand_in = _EncoderStandIn(getattr(base, "pooler", None))
+        self._hidden_states = self._run_encoder  # compiled by use_torch_compile
 
     @property
     def encoder(self) -> nn.Module:
@@ -63,12 +66,21 @@ class TransformersEncoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The last hidden state of every token (the encoder's final norm included)."""
-        inputs = {"input_ids": input_ids[None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
-        token_types = get_forward_context().token_type_ids
-        if self.uses_token_types and token_types is not None:
-            inputs["token_type_ids"] = token_types[None]
+        token_types = get_forward_context().token_type_ids if self.uses_token_types else None
         with attention.routed_to(self._route):
-            return self.encoder(**inputs, position_ids=(positions + self.position_offset)[None])[0][0]
+            return self._hidden_states(input_ids, positions, inputs_embeds, token_types)
+
+    def _run_encoder(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None,
+                     token_types: torch.Tensor | None) -> torch.Tensor:
+        inputs = {"input_ids": input_ids[None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
+        if token_types is not None:
+            inputs["token_type_ids"] = token_types[None]
+        return self.encoder(**inputs, position_ids=(positions + self.position_offset)[None])[0][0]
+
+    def use_torch_compile(self, backend: str = "inductor") -> None:
+        """Run the encoder through torch.compile (the worker calls this when CUDA graphs are on),
+        as :meth:`.model.TransformersForCausalLM.use_torch_compile` does the decoder."""
+        self._hidden_states = compile_dynamic(self._run_encoder, backend)
 
     def _probe_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         self.encoder(input_ids=input_ids[None], position_ids=(positions + self.position_offset)[None])

@@ -110,8 +110,7 @@ class TransformersForCausalLM(nn.Module):
         ``TORCHINDUCTOR_CACHE_DIR`` names another place: a restart, or a machine whose temporary
         folder was cleared, loads it instead of compiling again."""
         if get_tp_size() == 1:
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-            self._decoder_hidden_states = torch.compile(self._run_decoder, backend=backend, dynamic=True)
+            self._decoder_hidden_states = compile_dynamic(self._run_decoder, backend)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The LM head and whatever transformers' CausalLM does after it (Gemma 2's final
@@ -141,6 +140,13 @@ class TransformersForCausalLM(nn.Module):
         load_checkpoint_tensors(self.hf_model, weights)
         use_hookllm_modules(self.hf_model)
         self._plain_head = head_alone(self.hf_model.get_output_embeddings(), self._causal_lm_logits)
+
+
+def compile_dynamic(fn: Any, backend: str) -> Any:
+    """``fn`` through torch.compile with dynamic shapes, inductor's caches under hookllm's cache
+    root (``inductor/``) unless ``TORCHINDUCTOR_CACHE_DIR`` names another place."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    return torch.compile(fn, backend=backend, dynamic=True)
 
 
 class _DecoderStandIn(nn.Module):
