@@ -95,15 +95,17 @@ class InputProcessor:
         if params.task in ("classify", "score") and not pooler.is_classifier:
             raise ValueError(f"request {request_id}: the {params.task} task needs a classification head: "
                              f"{self.config.model} has none (a *ForSequenceClassification checkpoint has one)")
-        hidden_size = text_config_of(self.model_config.hf_config).hidden_size
         if params.dimensions is not None:
+            hidden_size = text_config_of(self.model_config.hf_config).hidden_size
             if not pooler.matryoshka:
                 raise ValueError(f"request {request_id}: dimensions={params.dimensions}: {self.config.model} "
                                  "was not trained for Matryoshka embeddings (its config sets no is_matryoshka)")
             if params.dimensions > hidden_size:
                 raise ValueError(f"request {request_id}: dimensions={params.dimensions} is over the model's "
                                  f"embedding size {hidden_size}")
-        sampling = dataclasses.replace(POOLING_SAMPLING, truncate_prompt_tokens=params.truncate_prompt_tokens)
+        sampling = POOLING_SAMPLING  # shared, as one SamplingParams is by every prompt of an LLM call
+        if params.truncate_prompt_tokens is not None:
+            sampling = dataclasses.replace(sampling, truncate_prompt_tokens=params.truncate_prompt_tokens)
         request = self._make_request(request_id, prompt, sampling)
         token_types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
         if token_types is not None:
@@ -177,14 +179,17 @@ class InputProcessor:
         elif not isinstance(token_ids, (list, tuple)):
             raise ValueError(f"request {request_id}: prompt_token_ids must be a list of ints, "
                              f"got {type(token_ids).__name__}")
-        # Never coerced: 1.5, "3", None or True in a prompt is a bug in the caller.
-        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
-        if bad:
-            raise ValueError(f"request {request_id}: prompt_token_ids must be ints, got {bad[0]!r}")
-        token_ids = [int(t) for t in token_ids]
+        if set(map(type, token_ids)) <= {int}:  # a tokenizer's: checked in C-speed passes
+            token_ids = list(token_ids)
+        else:
+            # Never coerced: 1.5, "3", None or True in a prompt is a bug in the caller.
+            bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+            if bad:
+                raise ValueError(f"request {request_id}: prompt_token_ids must be ints, got {bad[0]!r}")
+            token_ids = [int(t) for t in token_ids]
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]  # vLLM keeps the prompt's end
-        if self.vocab_size is not None and any(t < 0 or t >= self.vocab_size for t in token_ids):
+        if self.vocab_size is not None and token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
             raise ValueError(f"request {request_id}: prompt token ids must be in [0, {self.vocab_size})")
         return EngineCoreRequest(request_id, token_ids, params, prompt=text,
                                  multi_modal_data=prompt.get("multi_modal_data"), cache_salt=prompt.get("cache_salt"))
