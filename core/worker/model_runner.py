@@ -99,7 +99,7 @@ class StepOutput:
         self._prompt_logprobs = {request_id: tuple(t.to("cpu", non_blocking=True) for t in parts)
                                  for request_id, parts in (prompt_logprobs or {}).items()}
         # By request: the pooled hidden states of each pooling request whose prompt this step completed.
-        self._pooled = {request_id: t.to("cpu", non_blocking=True) for request_id, t in (pooled or {}).items()}
+        self._pooled = host_copies(pooled or {})
         self._deferred = deferred
         self._device = device
         self._when_resolved: list[Callable[[], None]] = []  # called once, when the tokens reach the host
@@ -200,6 +200,16 @@ def logprobs_rows(token_ids: list[int], chosen: torch.Tensor, ranks: torch.Tenso
     rank_lists = np.concatenate([ranks.numpy()[:, None], top_ranks], axis=1).tolist()
     return [None if n is None else (i, v, r) if n == k else (i[:n + 1], v[:n + 1], r[:n + 1])
             for i, v, r, n in zip(ids, values, rank_lists, wanted)]
+
+
+def host_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The float32 device tensors on the host, in one copy (not one per request): joined flat on
+    the device, copied without waiting, and split back into views of their shapes."""
+    if not tensors:
+        return {}
+    flat = torch.cat([t.reshape(-1).float() for t in tensors.values()]).to("cpu", non_blocking=True)
+    parts = flat.split([t.numel() for t in tensors.values()])
+    return {key: part.view(t.shape) for (key, t), part in zip(tensors.items(), parts)}
 
 
 class SamplerContractError(RuntimeError):
