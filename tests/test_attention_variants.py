@@ -207,7 +207,9 @@ def test_a_windowed_decode_is_split_by_the_keys_it_reads(monkeypatch):
     assert seen == [20, 150]
 
 
-def test_attention_layer_passes_its_variants_and_the_sinks_to_the_backend():
+def backend_calls(*layers: tuple[Attention, torch.Tensor | None]) -> list[dict]:
+    """The keyword arguments each ``(layer, sinks)`` passes to the backend's paged_attention on a
+    3-token step (4 query heads, 2 KV heads of 8)."""
     calls = []
     backend = SimpleNamespace(store_kv=lambda *args: None,
                               paged_attention=lambda *args, **kwargs: calls.append(kwargs) or args[0])
@@ -215,12 +217,17 @@ def test_attention_layer_passes_its_variants_and_the_sinks_to_the_backend():
                                  seq_lens=torch.tensor([3]), query_start_loc=torch.tensor([0, 3]),
                                  max_query_len=3, max_seq_len=3, backend=backend)
     q, kv = torch.zeros(3, 4 * 8), torch.zeros(3, 2 * 8)
+    with set_forward_context(metadata):
+        for layer, sinks in layers:
+            layer(q, kv, kv, sinks=sinks)
+    return calls
+
+
+def test_attention_layer_passes_its_variants_and_the_sinks_to_the_backend():
     sinks = torch.ones(4)
     windowed = Attention(4, 8, 0.5, 2, sliding_window=128, softcap=30.0)
     windowed.k_scale, windowed.v_scale = 0.5, 0.25  # an FP8 cache's per-layer scales
-    with set_forward_context(metadata):
-        Attention(4, 8, 0.5, 2)(q, kv, kv)
-        windowed(q, kv, kv, sinks=sinks)
+    calls = backend_calls((Attention(4, 8, 0.5, 2), None), (windowed, sinks))
     assert calls[0] == dict(sliding_window=None, softcap=None, sinks=None, k_scale=1.0, v_scale=1.0, causal=True)
     assert calls[1] == dict(sliding_window=128, softcap=30.0, sinks=sinks, k_scale=0.5, v_scale=0.25, causal=True)
 
@@ -256,12 +263,4 @@ def test_bidirectional_triton_matches_reference(name, tiles):
 
 
 def test_attention_layer_passes_bidirectional_to_the_backend():
-    calls = []
-    backend = SimpleNamespace(store_kv=lambda *args: None,
-                              paged_attention=lambda *args, **kwargs: calls.append(kwargs) or args[0])
-    metadata = AttentionMetadata(slot_mapping=(torch.zeros(3, dtype=torch.long),), block_tables=(torch.zeros(1, 1),),
-                                 seq_lens=torch.tensor([3]), query_start_loc=torch.tensor([0, 3]),
-                                 max_query_len=3, max_seq_len=3, backend=backend)
-    with set_forward_context(metadata):
-        Attention(4, 8, 0.5, 2, causal=False)(torch.zeros(3, 32), torch.zeros(3, 16), torch.zeros(3, 16))
-    assert calls[0]["causal"] is False
+    assert backend_calls((Attention(4, 8, 0.5, 2, causal=False), None))[0]["causal"] is False
