@@ -77,3 +77,24 @@ def test_score_with_lists_of_unequal_length_is_a_400(server):
 def test_embeddings_from_a_model_without_a_pipeline_name_the_missing_parts(server):
     response = post(server, "/v1/embeddings", {"input": "hi", "dimensions": 4})
     assert response.status_code == 400 and "Matryoshka" in response.json()["error"]["message"]
+
+
+def test_rerank_on_a_bert_cross_encoder_reads_each_pair_with_its_token_types(tmp_path):
+    from sentence_transformers import CrossEncoder
+    from transformers import BertConfig
+
+    config = BertConfig(vocab_size=testing.WORDPIECE_VOCAB_SIZE, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=64, max_position_embeddings=64, num_labels=1,
+                        initializer_range=0.05)
+    testing.build_tiny_checkpoint(config, tmp_path, model_cls=AutoModelForSequenceClassification)
+    testing.build_tiny_wordpiece_tokenizer(tmp_path)
+    query, documents = "what is the capital of france", ["paris is the capital", "the lazy dog", "x y z"]
+    want = CrossEncoder(str(tmp_path), device="cpu").predict([(query, document) for document in documents]).tolist()
+    server = Server([str(tmp_path), "--device", "cpu", "--dtype", "float32", "--served-model-name", "reranker"])
+    try:
+        results = post(server, "/rerank", {"query": query, "documents": documents}).json()["results"]
+    finally:
+        server.stop()
+    order = sorted(range(len(documents)), key=lambda i: want[i], reverse=True)
+    assert [result["index"] for result in results] == order
+    assert [result["relevance_score"] for result in results] == pytest.approx([want[i] for i in order], abs=1e-5)
