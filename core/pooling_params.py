@@ -58,7 +58,9 @@ class PoolerConfig:
     None where the model computes its own (an encoder's transformers classifier).
     ``projection``: a late-interaction model's (ColBERT's) per-token projection, the checkpoint
     tensor ``[dim, hidden]`` each token's hidden state goes through (then normalized) for
-    ``encode`` and MaxSim scoring."""
+    ``encode`` and MaxSim scoring. ``dense``: the folders of a sentence-transformers pipeline's
+    ``Dense`` modules, applied in order to the pooled embedding (before normalization), and
+    ``dimension`` the size they leave (None: the hidden size)."""
 
     pooling_type: str = "last"
     normalize: bool = True
@@ -66,6 +68,8 @@ class PoolerConfig:
     head: str | None = None
     labels: list[str] | None = None
     projection: str | None = None
+    dense: tuple[str, ...] = ()
+    dimension: int | None = None
     # A plugin's pooler (``--pooler NAME``, ``Components.add_pooler``): every prompt token's
     # hidden state and the request in, the embedding out; pooling_type is then its name.
     custom: Callable[[Any, Any], Any] | None = None
@@ -73,21 +77,29 @@ class PoolerConfig:
     @classmethod
     def for_checkpoint(cls, path: str | Path, hf_config: Any) -> "PoolerConfig | None":
         """The sentence-transformers pipeline in ``path`` (``modules.json``: a Transformer, a
-        Pooling module, optionally Normalize), or None when the folder has none. ``ValueError``
-        for a module hookllm does not compute (a Dense projection, max pooling)."""
+        Pooling module, Dense projections, Normalize), or None when the folder has none.
+        ``ValueError`` for a module hookllm does not compute (max pooling, a Dense with a residual)."""
         folder = Path(path)
         modules_file = folder / "modules.json"
         if not modules_file.is_file():
             return None
-        kinds = {module["type"].rsplit(".", 1)[-1]: module for module in json.loads(modules_file.read_text())}
-        unknown = set(kinds) - {"Transformer", "Pooling", "Normalize"}
+        modules = [(module["type"].rsplit(".", 1)[-1], module) for module in json.loads(modules_file.read_text())]
+        kinds = dict(modules)
+        unknown = set(kinds) - {"Transformer", "Pooling", "Dense", "Normalize"}
         if unknown:
             raise ValueError(f"{modules_file}: sentence-transformers modules {sorted(unknown)} are not supported "
-                             "(hookllm computes Transformer, Pooling and Normalize)")
+                             "(hookllm computes Transformer, Pooling, Dense and Normalize)")
         pooling_type = "cls"  # a Transformer alone: sentence-transformers' default for BERT-style models
         if "Pooling" in kinds:
             pooling_type = _pooling_type(folder / kinds["Pooling"]["path"] / "config.json")
-        return cls(pooling_type, "Normalize" in kinds, is_matryoshka(hf_config))
+        dense = tuple(module["path"] for kind, module in modules if kind == "Dense")
+        dimension = None
+        for module_path in dense:
+            config = json.loads((folder / module_path / "config.json").read_text())
+            if config.get("use_residual"):
+                raise ValueError(f"{folder / module_path}: a Dense module with a residual connection is not supported")
+            dimension = config["out_features"]
+        return cls(pooling_type, "Normalize" in kinds, is_matryoshka(hf_config), dense=dense, dimension=dimension)
 
     @property
     def is_classifier(self) -> bool:

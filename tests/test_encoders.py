@@ -202,3 +202,14 @@ def test_torch_compile_traces_each_encoder_whole_around_the_attention_operator(t
     torch.testing.assert_close(got, torch.tensor([o.outputs.embedding for o in eager.embed(TEXTS)]),
                                atol=1e-5, rtol=0)
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+
+
+def test_a_pipelines_dense_modules_project_the_pooled_embedding(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("st-dense")
+    reference = sentence_transformer(encoder_dir(tmp_path_factory, "bert"), folder, "mean", True, dense=[24, 16])
+    llm = LLM(str(folder), dtype="float32", device="cpu")
+    got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS)])
+    torch.testing.assert_close(got, reference.encode(TEXTS, convert_to_tensor=True), atol=1e-5, rtol=1e-5)
+    llm.engine.model_config.pooler.matryoshka = True  # the size a request may cut to is the last Dense's
+    with pytest.raises(ValueError, match="dimensions=20 is over the model's embedding size 16"):
+        llm.embed("x", PoolingParams(dimensions=20))

@@ -96,7 +96,7 @@ class InputProcessor:
             raise ValueError(f"request {request_id}: the {params.task} task needs a classification head: "
                              f"{self.config.model} has none (a *ForSequenceClassification checkpoint has one)")
         if params.dimensions is not None:
-            hidden_size = text_config_of(self.model_config.hf_config).hidden_size
+            hidden_size = pooler.dimension or text_config_of(self.model_config.hf_config).hidden_size
             if not pooler.matryoshka:
                 raise ValueError(f"request {request_id}: dimensions={params.dimensions}: {self.config.model} "
                                  "was not trained for Matryoshka embeddings (its config sets no is_matryoshka)")

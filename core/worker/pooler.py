@@ -12,11 +12,16 @@ recomputed after a preemption starts over.
 
 from __future__ import annotations
 
+import importlib
+import json
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
 
 from hookllm.config import ModelConfig
 from hookllm.pooling_params import PoolerConfig
@@ -27,8 +32,9 @@ from hookllm.worker.batch import Batch, CachedRequestState
 class Pooler:
     def __init__(self, config: PoolerConfig, head: torch.Tensor | None = None,
                  classify: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 projection: torch.Tensor | None = None):
+                 projection: torch.Tensor | None = None, dense: nn.Module | None = None):
         self.config = config
+        self.dense = dense  # a sentence-transformers pipeline's Dense modules, float32 on the device
         self.head = head  # [labels, hidden] float32 on the device: a decoder classifier's score head
         self.projection = projection  # [dim, hidden] float32: a late-interaction model's, for encode
         self.classify = classify  # an encoder classifier's: a prompt's rows -> its logits
@@ -51,7 +57,11 @@ class Pooler:
 
         head = tensor(config.head, len(config.labels or ()))
         projection = tensor(config.projection, getattr(model_config.hf_config, "dim", 128))
-        return cls(config, head, getattr(model, "classify", None) if config.is_classifier else None, projection)
+        dense = None
+        if config.dense:
+            folders = [Path(model_config.path) / folder for folder in config.dense]
+            dense = nn.Sequential(*map(dense_module, folders)).to(device, torch.float32)
+        return cls(config, head, getattr(model, "classify", None) if config.is_classifier else None, projection, dense)
 
     def remove(self, request_id: str) -> None:
         self.partial.pop(request_id, None)
@@ -102,6 +112,8 @@ class Pooler:
         else:
             picked = starts if self.config.pooling_type == "cls" else ends - 1
             embeddings = hidden_states[torch.from_numpy(picked).to(device, non_blocking=True)].float()
+        if self.dense is not None:
+            embeddings = self.dense(embeddings)
         requests = [batch.requests[index] for index in indices]
         plain = all(r.pooling_params.dimensions is None and r.pooling_params.normalize is None for r in requests)
         if plain and self.config.normalize:
@@ -149,6 +161,8 @@ class Pooler:
             embedding = part
         else:
             embedding = rows[-1].float()
+        if self.dense is not None:
+            embedding = self.dense(embedding)
         return self._finish_embedding(request, embedding)
 
     def _finish_embedding(self, request: CachedRequestState, embedding: torch.Tensor) -> torch.Tensor:
@@ -159,3 +173,20 @@ class Pooler:
         if self.config.normalize if params.normalize is None else params.normalize:
             embedding = F.normalize(embedding, dim=-1)
         return embedding
+
+
+def dense_module(folder: Path) -> nn.Module:
+    """A sentence-transformers ``Dense`` module saved in ``folder``: its linear layer (weights
+    from ``model.safetensors``, or an older release's ``pytorch_model.bin``) and its activation,
+    a ``torch.nn`` class named in its config (Tanh when unnamed, as sentence-transformers has it)."""
+    config = json.loads((folder / "config.json").read_text())
+    activation = config.get("activation_function") or "torch.nn.modules.activation.Tanh"
+    module_name, _, class_name = activation.rpartition(".")
+    if not module_name.startswith("torch.nn"):
+        raise ValueError(f"{folder}: activation {activation!r} is not a torch.nn module")
+    linear = nn.Linear(config["in_features"], config["out_features"], bias=config.get("bias", True))
+    weights_file = folder / "model.safetensors"
+    weights = (load_file(str(weights_file)) if weights_file.exists()
+               else torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True))
+    linear.load_state_dict({name.removeprefix("linear."): tensor for name, tensor in weights.items()})
+    return nn.Sequential(linear, getattr(importlib.import_module(module_name), class_name)())
