@@ -59,6 +59,9 @@ class ModelProtocol(Protocol):
     pipeline_intermediate_count: ClassVar[int] = 2
     """How many ``[num_tokens, hidden]`` tensors a pipeline stage hands the next: by default the
     hidden states and the residual."""
+    uses_token_types: ClassVar[bool] = False
+    """It reads token types (a BERT-style encoder's segments) from the forward context's
+    ``token_type_ids``, which the runner sets when a step holds a text pair that has them."""
 
     @classmethod
     def __subclasshook__(cls, other: type) -> bool:
@@ -71,7 +74,8 @@ class ModelProtocol(Protocol):
 
 _METHODS = ("forward", "embed_tokens", "compute_logits", "load_weights")
 Capability = Literal["supports_tensor_parallel", "supports_expert_parallel", "supports_quantization",
-                     "supports_torch_compile", "supports_pipeline_parallel", "pipeline_intermediate_count"]
+                     "supports_torch_compile", "supports_pipeline_parallel", "pipeline_intermediate_count",
+                     "uses_token_types"]
 
 
 def capability(model: Any, flag: Capability) -> Any:
@@ -123,6 +127,17 @@ class SupportsMultiModal(Protocol):
         By default the item rows replace the placeholders' token embeddings."""
         inputs_embeds[rows] = embeddings.to(inputs_embeds.dtype)
         return inputs_embeds
+
+
+@runtime_checkable
+class SupportsClassification(Protocol):
+    """A pooling model with its own classification head (an encoder's ``*ForSequenceClassification``,
+    whose head pools as it was trained to): the pooler hands it a prompt's hidden states, all
+    computed in one step, for the ``classify`` and ``score`` tasks. Without it, the checkpoint's
+    ``score.weight`` is applied to the last token (a decoder classifier)."""
+
+    def classify(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[prompt tokens, hidden]`` of one prompt -> its ``[labels]`` logits."""
 
 
 def is_multimodal(model_cls: type) -> bool:

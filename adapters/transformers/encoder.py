@@ -26,11 +26,13 @@ from hookllm.adapters.transformers import attention, support
 from hookllm.adapters.transformers.model import HiddenStatesOutput, compile_dynamic
 from hookllm.adapters.transformers.weights import build_empty, load_checkpoint_tensors, materialize
 from hookllm.config import position_offset
+from hookllm.plugins.contract import SupportsClassification
 from hookllm.worker.forward_context import get_forward_context
 
 
-class TransformersEncoderModel(nn.Module):
-    """A transformers encoder on hookllm's paged attention; built under ``building_on``."""
+class TransformersEncoderModel(nn.Module, SupportsClassification):
+    """A transformers encoder on hookllm's paged attention; built under ``building_on``. A
+    classifier checkpoint's head runs in :meth:`classify`."""
 
     supports_torch_compile = True
 

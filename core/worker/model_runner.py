@@ -30,7 +30,7 @@ from torch import nn
 
 from hookllm.kernels import ops_for
 from hookllm.multimodal.encoder_cache import EncoderRunner
-from hookllm.plugins.contract import is_multimodal
+from hookllm.plugins.contract import capability, is_multimodal
 from hookllm.worker.batch import Batch, LogitsJob, CachedRequestState
 from hookllm.worker.cuda_graph import CudaGraphRunner
 from hookllm.worker.forward_context import AttentionMetadata, set_forward_context
@@ -231,7 +231,7 @@ class ModelRunner:
         self.input_batch = input_batch  # the rows of the requests the runner has run and may run next
         self.pooler = pooler  # the pooling runner's (hookllm.worker.pooler); None when generating
         # An encoder reading token types (BERT's): a text pair's second text is of type 1.
-        self.uses_token_types = bool(getattr(model, "uses_token_types", False))
+        self.uses_token_types = bool(capability(model, "uses_token_types"))
         # Penalties, logit bias, allowed tokens, bad words: device state for the requests using them.
         self.logits_adjuster = LogitsAdjuster(device)
         # Requests whose prompt logprobs are not all computed yet: the first prompt position whose

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from hookllm.config import ModelConfig
+from hookllm.plugins.contract import SupportsClassification
 from hookllm.pooling_params import PoolerConfig
 from hookllm.worker.model_loader import load_tensor
 from hookllm.worker.batch import Batch, CachedRequestState
@@ -61,7 +62,8 @@ class Pooler:
         if config.dense:
             folders = [Path(model_config.path) / folder for folder in config.dense]
             dense = nn.Sequential(*map(dense_module, folders)).to(device, torch.float32)
-        return cls(config, head, getattr(model, "classify", None) if config.is_classifier else None, projection, dense)
+        classify = model.classify if config.is_classifier and isinstance(model, SupportsClassification) else None
+        return cls(config, head, classify, projection, dense)
 
     def remove(self, request_id: str) -> None:
         self.partial.pop(request_id, None)
