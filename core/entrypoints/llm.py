@@ -124,7 +124,7 @@ class LLM:
         prompts = _prompt_list(prompts)
         if not prompts:
             raise ValueError("prompts is empty: give at least one input")
-        return self._run(self._add_requests(prompts, [params] * len(prompts)), use_tqdm)
+        return self._run(self._add_requests(prompts, [params] * len(prompts)), use_tqdm, "pooling")
 
     def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
@@ -211,13 +211,13 @@ class LLM:
             if not self.engine.has_request(request_id):
                 return request_id
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool, activity: str = "generating") -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         progress = None
         if use_tqdm:
             from tqdm import tqdm
 
-            progress = tqdm(total=len(request_ids), desc="generating", unit="req")
+            progress = tqdm(total=len(request_ids), desc=activity, unit="req")
         wanted = set(request_ids)
         try:
             while len(finished) < len(wanted) and self.engine.has_unfinished_requests():
