@@ -176,14 +176,15 @@ class ModelConfig:
                              "LLM.score), not --runner generate")
         if runner == "pooling":
             pooler = pooler or PoolerConfig.default(hf_config, encoder)
-            # An encoder keeps its architecture: transformers' own class serves it, head and all
-            # (hookllm.adapters.transformers.encoder).
-            if classifier and not encoder:
+        # A decoder pools through its causal LM class; an encoder keeps its architecture (transformers'
+        # own class serves it, head and all: hookllm.adapters.transformers.encoder).
+        if runner == "pooling" and not encoder:
+            if classifier:
                 # Its decoder is the causal LM's, under the same names; its head (score.weight) is
                 # the pooler's, and it has no LM head of its own.
                 architecture = architecture[:-len("ForSequenceClassification")] + "ForCausalLM"
                 text.tie_word_embeddings = True
-            elif not encoder and architecture.endswith("Model") and not architecture.endswith("PreTrainedModel"):
+            elif architecture.endswith("Model") and not architecture.endswith("PreTrainedModel"):
                 # sentence-transformers saves a decoder's base model (LlamaModel, tensors named
                 # without "model."): its causal LM class serves it, the head tied to the
                 # embedding (it has none of its own, and the pooling runner computes no logits).
@@ -216,7 +217,8 @@ class EngineConfig:
                                  "(hookllm plugins lists them); default: the checkpoint's (its sentence-transformers "
                                  "pipeline), else last")
     runner: str = _option("auto", "generate tokens, or pool hidden states (embeddings: LLM.embed, /v1/embeddings); "
-                          "auto: pooling for a checkpoint with a sentence-transformers pipeline (modules.json)",
+                          "auto: pooling for an encoder, a classifier or a checkpoint with a sentence-transformers "
+                          "pipeline (modules.json)",
                           choices=["auto", "generate", "pooling"])
     model_impl: str = _option("auto", "which implementation serves the checkpoint's architecture: auto (a plugin's "
                               "native one, else the transformers fallback), native, or transformers (the "

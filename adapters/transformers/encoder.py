@@ -19,11 +19,10 @@ import copy
 from typing import Any, Iterable
 
 import torch
-import transformers
 from torch import nn
 
 from hookllm.adapters.transformers import attention, support
-from hookllm.adapters.transformers.model import HiddenStatesOutput, compile_dynamic
+from hookllm.adapters.transformers.model import StandIn, compile_dynamic
 from hookllm.adapters.transformers.weights import build_empty, load_checkpoint_tensors, materialize
 from hookllm.config import position_offset
 from hookllm.plugins.contract import SupportsClassification
@@ -38,7 +37,7 @@ class TransformersEncoderModel(nn.Module, SupportsClassification):
 
     def __init__(self, config: Any):
         super().__init__()
-        model_cls = encoder_class(config)
+        model_cls = support.model_class(config, encoder=True)
         config = copy.deepcopy(config)
         config.use_cache = False
         attention.register()
@@ -54,7 +53,7 @@ class TransformersEncoderModel(nn.Module, SupportsClassification):
         specs = attention.probe(self.hf_model, self._probe_forward, causal=False)
         self.attention = nn.ModuleList(attention.PagedLayer(spec) for spec in specs)
         self._route = attention.PagedRoute(self.attention)
-        self._stand_in = _EncoderStandIn(getattr(base, "pooler", None))
+        self._stand_in = StandIn(getattr(base, "pooler", None))
         self._hidden_states = self._run_encoder  # compiled by use_torch_compile
 
     @property
@@ -85,7 +84,7 @@ class TransformersEncoderModel(nn.Module, SupportsClassification):
         self._hidden_states = compile_dynamic(self._run_encoder, backend)
 
     def _probe_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        self.encoder(input_ids=input_ids[None], position_ids=(positions + self.position_offset)[None])
+        self._run_encoder(input_ids, positions, None, None)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"{type(self.hf_model).__name__} is an encoder: it has no LM head to sample from")
@@ -95,52 +94,9 @@ class TransformersEncoderModel(nn.Module, SupportsClassification):
         """``[prompt tokens, hidden]`` of one prompt -> its classifier's ``[labels]`` logits, by
         the transformers classifier's own forward over them."""
         parent, _, name = self._base_path.rpartition(".")
-        modules = (self.hf_model.get_submodule(parent) if parent else self.hf_model)._modules
-        base = modules[name]
-        self._stand_in.hidden_states = hidden_states[None].to(self.hf_model.dtype)
-        modules[name] = self._stand_in
-        try:
-            return self.hf_model(return_dict=True).logits[0]
-        finally:
-            modules[name] = base
-            self._stand_in.hidden_states = None
+        return self._stand_in.run(self.hf_model, self.hf_model.get_submodule(parent), name,
+                                  hidden_states[None].to(self.hf_model.dtype), return_dict=True).logits[0]
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         load_checkpoint_tensors(self.hf_model, weights)
 
-
-def encoder_class(config: Any) -> type:
-    """The transformers class of an encoder checkpoint's first architecture (its base model, a
-    classifier, or a masked LM whose head goes unused); :class:`.support.Unsupported` for what
-    the backend cannot serve."""
-    architecture = (getattr(config, "architectures", None) or [""])[0]
-    name = f"{architecture} (model_type {config.model_type!r})"
-    model_cls = getattr(transformers, architecture, None) if architecture.isidentifier() else None
-    if not (isinstance(model_cls, type) and issubclass(model_cls, transformers.PreTrainedModel)):
-        raise support.Unsupported(f"{name}: transformers has no such model class")
-    if getattr(config, "is_encoder_decoder", False):
-        raise support.Unsupported(f"{name} is an encoder-decoder model; the transformers backend serves decoders "
-                                  "and encoders")
-    embedding = getattr(config, "position_embedding_type", "absolute")
-    if embedding not in (None, "absolute", "rope", "rotary"):
-        raise support.Unsupported(f"{name} uses {embedding!r} position embeddings, an attention bias hookllm's "
-                                  "kernels lack")
-    support.check_config(config, name)
-    if not model_cls._supports_attention_backend:
-        raise support.Unsupported(f"{name}: its transformers code does not route attention through transformers' "
-                                  "attention interface, so hookllm's paged attention cannot take its place")
-    return model_cls
-
-
-class _EncoderStandIn(nn.Module):
-    """Returns the hidden states it holds as the encoder's output, and the encoder's own pooler
-    over them (BERT's dense + tanh of the CLS token) where it has one."""
-
-    def __init__(self, pooler: nn.Module | None):
-        super().__init__()
-        self.pooler = pooler
-        self.hidden_states: torch.Tensor | None = None
-
-    def forward(self, *args: Any, **kwargs: Any) -> HiddenStatesOutput:
-        pooled = self.pooler(self.hidden_states) if self.pooler is not None else None
-        return HiddenStatesOutput(self.hidden_states, pooled)

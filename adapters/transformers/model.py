@@ -63,7 +63,7 @@ class TransformersForCausalLM(nn.Module):
         first_layer = self.stage.start if self.stage is not None else 0
         specs = attention.probe(self.hf_model, self._probe_forward, first_layer)
         self.attention = nn.ModuleList(attention.PagedLayer(spec) for spec in specs)
-        self._head_input = _DecoderStandIn()
+        self._head_input = StandIn()
         self._plain_head: nn.Module | None = None  # set by load_weights
         self._route = attention.PagedRoute(self.attention, first_layer)
 
@@ -122,15 +122,9 @@ class TransformersForCausalLM(nn.Module):
     def _causal_lm_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The transformers CausalLM's own forward with its decoder standing in for the given
         hidden states, so its head runs as transformers wrote it."""
-        modules = self.hf_model.get_submodule(self._decoder_parent)._modules
-        decoder = modules[self._decoder_name]
-        self._head_input.hidden_states = hidden_states[None]
-        modules[self._decoder_name] = self._head_input
-        try:
-            return self.hf_model(use_cache=False).logits[0]
-        finally:
-            modules[self._decoder_name] = decoder
-            self._head_input.hidden_states = None
+        parent = self.hf_model.get_submodule(self._decoder_parent)
+        return self._head_input.run(self.hf_model, parent, self._decoder_name, hidden_states[None],
+                                    use_cache=False).logits[0]
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Whole checkpoint tensors, named as transformers names them (see :mod:`.weights`);
@@ -149,16 +143,31 @@ def compile_dynamic(fn: Any, backend: str) -> Any:
     return torch.compile(fn, backend=backend, dynamic=True)
 
 
-class _DecoderStandIn(nn.Module):
-    """Returns the hidden states it holds as the decoder's output: what the head reads is
-    ``outputs[0]`` or ``outputs.last_hidden_state``; any other field is None."""
+class StandIn(nn.Module):
+    """Stands in for a transformers base model (a CausalLM's decoder, a classifier's encoder), so
+    that what runs after it (the LM head, a classification head) runs as transformers wrote it
+    on given hidden states: it returns them, and the base model's own ``pooler`` over them where
+    it has one (BERT's dense + tanh of the CLS token)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pooler: nn.Module | None = None) -> None:
         super().__init__()
+        self.pooler = pooler
         self.hidden_states: torch.Tensor | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> "HiddenStatesOutput":
-        return HiddenStatesOutput(self.hidden_states)
+        pooled = self.pooler(self.hidden_states) if self.pooler is not None else None
+        return HiddenStatesOutput(self.hidden_states, pooled)
+
+    def run(self, model: nn.Module, parent: nn.Module, name: str, hidden_states: torch.Tensor, **kwargs: Any) -> Any:
+        """``model(**kwargs)`` with ``parent``'s submodule ``name`` replaced by this stand-in,
+        which returns ``hidden_states`` (``[1, tokens, hidden]``)."""
+        modules = parent._modules
+        original = modules[name]
+        modules[name], self.hidden_states = self, hidden_states
+        try:
+            return model(**kwargs)
+        finally:
+            modules[name], self.hidden_states = original, None
 
 
 class HiddenStatesOutput:

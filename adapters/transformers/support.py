@@ -57,20 +57,23 @@ def is_encoder_architecture(architecture: str) -> bool:
     return is_encoder(getattr(cls, "config_class", None))
 
 
-def model_class(config: Any) -> type:
+def model_class(config: Any, encoder: bool = False) -> type:
     """The transformers class of the checkpoint's first architecture, once the config shows a
-    decoder-only causal LM the kernels can serve; :class:`Unsupported` otherwise."""
+    decoder-only causal LM (with ``encoder``, an encoder: its base model, a classifier, or a
+    masked LM whose head goes unused) the kernels can serve; :class:`Unsupported` otherwise."""
     architecture = (getattr(config, "architectures", None) or [""])[0]
     name = f"{architecture} (model_type {config.model_type!r})"
     if getattr(config, "is_encoder_decoder", False):
         raise Unsupported(f"{name} is an encoder-decoder model; the transformers backend serves decoder-only "
-                          "causal LMs")
+                          "causal LMs and encoders")
     extra_configs = sorted(key for key in getattr(config, "sub_configs", {}) if key != "text_config"
                            and getattr(config, key, None) is not None)
     if extra_configs:
         raise Unsupported(f"{name} is multimodal ({', '.join(extra_configs)}); the transformers backend serves "
                           "text-only decoders")
-    if architecture not in causal_lm_architectures():
+    if encoder:
+        check_encoder(config, name, architecture)
+    elif architecture not in causal_lm_architectures():
         expected = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
         raise Unsupported(f"{name} is not a causal language model class"
                           + (f" (transformers' causal LM for this model type is {expected})" if expected else "")
@@ -82,6 +85,17 @@ def model_class(config: Any) -> type:
                           "attention interface (_supports_attention_backend is False), so hookllm's paged attention "
                           "cannot take its place")
     return model_cls
+
+
+def check_encoder(config: Any, name: str, architecture: str) -> None:
+    """Refuse an encoder checkpoint transformers has no class for, or whose positions are an
+    attention bias (relative position embeddings)."""
+    model_cls = getattr(transformers, architecture, None) if architecture.isidentifier() else None
+    if not (isinstance(model_cls, type) and issubclass(model_cls, transformers.PreTrainedModel)):
+        raise Unsupported(f"{name}: transformers has no such model class")
+    embedding = getattr(config, "position_embedding_type", "absolute")
+    if embedding not in (None, "absolute", "rope", "rotary"):
+        raise Unsupported(f"{name} uses {embedding!r} position embeddings, an attention bias hookllm's kernels lack")
 
 
 def check_config(config: Any, name: str) -> None:

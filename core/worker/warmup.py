@@ -164,13 +164,12 @@ def warm_up(worker: "Worker") -> float:
 def _run_step(worker: "Worker", step: Step, prefix: str) -> None:
     """Run ``step`` (and its decode after), wait for its outputs, then drop its requests."""
     ids = [f"{prefix}-{i}" for i in range(len(step.rows))]
-    new = [NewRequestData(request_id, [0] * (row.context + row.query), GREEDY, pooling_params=row.params)
-           if isinstance(row.params, PoolingParams) else
-           NewRequestData(request_id, [0] * (row.context + row.query), row.params)
+    pooled = isinstance(step.rows[0].params, PoolingParams)  # a step's rows are all pooled or all sampled
+    new = [NewRequestData(request_id, [0] * (row.context + row.query), GREEDY if pooled else row.params,
+                          pooling_params=row.params if pooled else None)
            for request_id, row in zip(ids, step.rows)]
     computed = [row.context for row in step.rows]
     counts = [row.query for row in step.rows]
-    pooled = isinstance(step.rows[0].params, PoolingParams)
     outputs = [worker.execute(_snapshot(ids, new, computed, counts, worker, pooled))]
     if step.then_decode:
         after = [c + n for c, n in zip(computed, counts)]
