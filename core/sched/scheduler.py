@@ -156,15 +156,22 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
         limit = self._batch_size_limit()
 
+        # A running request has tokens to compute unless a step in flight samples its token (under
+        # pipeline stages) or its last one (at its length limit), or it pools and its prompt is
+        # computed (it ends when that step's output is read). Checked inline, the methods looked
+        # up once: every running request passes here every step.
+        running, allocate, awaits = self.running, self.block_manager.allocate_slots, self.await_sampled_tokens
         i = 0
-        while i < len(self.running) and budget > 0 and len(scheduled) < limit:
-            request = self.running[i]
-            if not self._has_work(request):
+        while i < len(running) and budget > 0 and len(scheduled) < limit:
+            request = running[i]
+            num_tokens = len(request.all_token_ids) + request.num_output_placeholders
+            if (request.num_computed_tokens >= num_tokens if request.pooling_params is not None
+                    else num_tokens >= request.max_num_tokens or (awaits and request.num_output_placeholders)):
                 i += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.block_manager.allocate_slots(request, num_new):
-                victim = self.running.pop()  # the newest running request
+            num_new = min(num_tokens - request.num_computed_tokens, budget)
+            while not allocate(request, num_new):
+                victim = running.pop()  # the newest running request
                 self._preempt(victim, swap_out)
                 preempted.append(victim)
                 if victim is request:
@@ -228,14 +235,6 @@ class Scheduler:
         unfinished = len(self.running) + len(self.waiting) + len(self.swapped)
         return max(1, -(-unfinished // self.pipeline_depth))
 
-    def _has_work(self, request: Request) -> bool:
-        """Whether a running request has tokens to compute now: not while a step in flight
-        samples its token or its last one (at its length limit), nor once a pooling request's
-        prompt is computed (it ends when that step's output is read)."""
-        if request.pooling_params is not None:
-            return request.num_computed_tokens < request.num_tokens
-        return request.num_tokens < request.max_num_tokens and not self._awaits_token(request)
-
     def _awaits_token(self, request: Request) -> bool:
         return self.await_sampled_tokens and request.num_output_placeholders > 0
 
@@ -260,12 +259,13 @@ class Scheduler:
                 new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
                                                    request.sampling_params, request.mm_items, request.pooling_params))
                 request.num_synced_tokens = request.num_prompt_tokens
-            new_token_ids.append(request.all_token_ids[request.num_synced_tokens:])
-            request.num_synced_tokens = len(request.all_token_ids)
+            known = request.all_token_ids
+            new_token_ids.append(known[request.num_synced_tokens:])
+            request.num_synced_tokens = len(known)
             request.num_computed_tokens += count
-            if request.num_computed_tokens == request.num_tokens:
+            if request.num_computed_tokens == len(known) + request.num_output_placeholders:  # num_tokens
                 if request.pooling_params is not None:
-                    pooling_rows.append(row)  # computed whole: scheduled no more (_has_work)
+                    pooling_rows.append(row)  # computed whole: scheduled no more
                 else:
                     sampling_rows.append(row)
                     request.num_output_placeholders += 1
