@@ -153,13 +153,34 @@ class PoolingRequestOutput:
     num_cached_tokens: int = 0
 
 
-@dataclass
 class EmbeddingOutput:
-    embedding: list[float]
+    """One embedding: ``embedding``, a list of floats. Made from the pooled vector (a host float32
+    tensor, :meth:`of`), the list is built when first read: listing costs tens of nanoseconds a
+    value, more than the model spends on a small encoder's embedding, so an embedding nobody
+    reads as a list (the server's base64 answer, say) is never listed."""
+
+    def __init__(self, embedding: list[float] | Any):
+        self._embedding = embedding
+
+    @classmethod
+    def of(cls, data: Any) -> EmbeddingOutput:
+        return cls(data)
+
+    @property
+    def embedding(self) -> list[float]:
+        if not isinstance(self._embedding, list):
+            self._embedding = self._embedding.tolist()
+        return self._embedding
 
     @property
     def hidden_size(self) -> int:
-        return len(self.embedding)
+        return len(self._embedding)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EmbeddingOutput) and self.embedding == other.embedding
+
+    def __repr__(self) -> str:
+        return f"EmbeddingOutput(embedding={self.embedding!r})"
 
 
 @dataclass
@@ -170,11 +191,11 @@ class _PooledListOutput:
     outputs: Any
     prompt_token_ids: list[int]
     finished: bool = True
-    output_type: ClassVar[type]  # made from the vector's list
+    output_type: ClassVar[Any]  # its ``of`` makes it from the vector (a host tensor)
 
     @classmethod
     def from_base(cls, output: PoolingRequestOutput) -> Any:
-        return cls(output.request_id, cls.output_type(output.outputs.data.tolist()), output.prompt_token_ids,
+        return cls(output.request_id, cls.output_type.of(output.outputs.data), output.prompt_token_ids,
                    output.finished)
 
 
@@ -182,12 +203,16 @@ class _PooledListOutput:
 class EmbeddingRequestOutput(_PooledListOutput):
     """``LLM.embed``'s output: ``outputs.embedding``."""
 
-    output_type: ClassVar[type] = EmbeddingOutput
+    output_type: ClassVar[Any] = EmbeddingOutput
 
 
 @dataclass
 class ClassificationOutput:
     probs: list[float]  # one per label (the head's raw logits with activation=False)
+
+    @classmethod
+    def of(cls, data: Any) -> ClassificationOutput:
+        return cls(data.tolist())
 
     @property
     def num_classes(self) -> int:
@@ -198,7 +223,7 @@ class ClassificationOutput:
 class ClassificationRequestOutput(_PooledListOutput):
     """``LLM.classify``'s output: ``outputs.probs``."""
 
-    output_type: ClassVar[type] = ClassificationOutput
+    output_type: ClassVar[Any] = ClassificationOutput
 
 
 @dataclass

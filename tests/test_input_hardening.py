@@ -83,3 +83,11 @@ def test_stop_strings_need_detokenize():
 def test_logit_bias_token_ids_must_be_ints():
     with pytest.raises(ValueError, match="logit_bias token ids must be ints"):
         SamplingParams(logit_bias={1.5: 2.0})
+
+
+def test_a_refused_prompt_in_a_later_batch_aborts_every_request_of_the_call(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_num_seqs=2)
+    prompts = [[5, 6, 7]] * 4 + [{"prompt_token_ids": [5, None]}]
+    with pytest.raises(ValueError, match=r"prompt 4: request \S+: prompt_token_ids must be ints"):
+        llm.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)
+    assert_nothing_left(llm)

@@ -139,12 +139,29 @@ def test_a_calls_texts_are_tokenized_together_as_the_engine_tokenizes_each(tiny_
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", runner="pooling")
     calls = []
     tokenizer = llm.get_tokenizer()
-    real_call = type(tokenizer).__call__
+    processor = llm.engine.input_processor
+    real_token_ids_of = processor._token_ids_of
     prompts = TEXTS + [{"prompt": "x y"}, [5, 6]]
-    try:
-        type(tokenizer).__call__ = lambda self, text, *a, **k: calls.append(text) or real_call(self, text, *a, **k)
-        outputs = llm.embed(prompts, use_tqdm=False)
-    finally:
-        type(tokenizer).__call__ = real_call
+    processor._token_ids_of = lambda texts: calls.append(texts) or real_token_ids_of(texts)
+    outputs = llm.embed(prompts, use_tqdm=False)
     assert calls == [TEXTS + ["x y"]]  # one call; the token ids need none
     assert [o.prompt_token_ids for o in outputs] == [tokenizer(t)["input_ids"] for t in TEXTS + ["x y"]] + [[5, 6]]
+
+
+def test_a_large_calls_prompts_are_tokenized_and_queued_a_batch_at_a_time(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", runner="pooling", max_num_seqs=2)
+    processor = llm.engine.input_processor
+    batches = []
+    real_token_ids_of = processor._token_ids_of
+    processor._token_ids_of = lambda texts: batches.append(texts) or real_token_ids_of(texts)
+    outputs = llm.embed(TEXTS + ["x y"], use_tqdm=False)
+    assert batches == [TEXTS[:2], TEXTS[2:], ["x y"]]  # max_num_seqs each, the last alone (one text)
+    alone = [llm.embed(text, use_tqdm=False)[0].outputs.embedding for text in TEXTS + ["x y"]]
+    torch.testing.assert_close(torch.tensor([o.outputs.embedding for o in outputs]), torch.tensor(alone))
+
+
+def test_a_pooling_engine_hashes_no_block_for_a_prefix_cache(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", runner="pooling", block_size=16)
+    llm.embed([" ".join(["hello"] * 40)] * 2, use_tqdm=False)  # full blocks, a prefix shared
+    block_manager = llm.engine.engine_core.scheduler.block_manager
+    assert not block_manager.enable_prefix_caching and not block_manager.cached

@@ -74,7 +74,10 @@ class EngineCore:
         # One rank: the worker lives here, unless asked to run apart. Several: one process per
         # rank, fed the same snapshots.
         self.executor: Executor = make_executor(config, model_config, hooks)
-        block_manager = BlockManager(self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+        # A pooling request reads the hidden states of every prompt token, so it never looks up a
+        # cached prefix: a pooling engine would only hash blocks that nothing ever finds.
+        prefix_caching = config.enable_prefix_caching and model_config.runner != "pooling"
+        block_manager = BlockManager(self.executor.num_kv_blocks, config.block_size, prefix_caching,
                                      self.executor.kv_cache_groups.windows)
         # Every change to scheduling state (requests, blocks) goes through the scheduler's methods.
         self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens,

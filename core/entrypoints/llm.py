@@ -110,7 +110,7 @@ class LLM:
                 raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}")
         # Only the final output is needed here: skip building one every step.
         final = [dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY) for params in sampling_params]
-        return self._run(self._add_requests(prompts, final), use_tqdm)
+        return self._run(prompts, final, use_tqdm)
 
     def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
                use_tqdm: bool = True) -> list[PoolingRequestOutput]:
@@ -124,7 +124,7 @@ class LLM:
         prompts = _prompt_list(prompts)
         if not prompts:
             raise ValueError("prompts is empty: give at least one input")
-        return self._run(self._add_requests(prompts, [params] * len(prompts)), use_tqdm, "pooling")
+        return self._run(prompts, [params] * len(prompts), use_tqdm, "pooling")
 
     def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
@@ -159,20 +159,17 @@ class LLM:
         return [ScoringRequestOutput(output.request_id, ScoringOutput(score), prompt)
                 for output, score, prompt in zip(outputs[-len(seconds):], pair_scores(outputs, method), tokens)]
 
-    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams | PoolingParams]) -> list[str]:
-        """Queue one request per prompt; if any is refused (or adding it raises anything), none
-        of them stays queued, and the error names the prompt."""
-        request_ids: list[str] = []
-        prompts = self.engine.input_processor.tokenize_texts(prompts)
-        try:
-            for prompt, request_params in zip(prompts, params):
+    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams | PoolingParams],
+                      request_ids: list[str], count: int) -> None:
+        """Queue the next ``count`` prompts (those after the ``request_ids`` queued so far), their
+        texts tokenized in one call; a refused prompt's error names its index."""
+        start = len(request_ids)
+        texts = self.engine.input_processor.tokenize_texts(prompts[start:start + count])
+        for prompt, request_params in zip(texts, params[start:start + count]):
+            try:
                 request_ids.append(self.engine.add_request(self._next_request_id(), prompt, request_params))
-        except Exception as exc:
-            self.engine.abort_request(request_ids)
-            if isinstance(exc, ValueError):
+            except ValueError as exc:
                 raise ValueError(f"prompt {len(request_ids)}: {exc}") from exc
-            raise
-        return request_ids
 
     def chat(
         self,
@@ -211,25 +208,37 @@ class LLM:
             if not self.engine.has_request(request_id):
                 return request_id
 
-    def _run(self, request_ids: list[str], use_tqdm: bool, activity: str = "generating") -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams | PoolingParams], use_tqdm: bool,
+             activity: str = "generating") -> list[RequestOutput]:
+        """Queue one request per prompt and step the engine until each has finished; the outputs
+        in the order of ``prompts``. The prompts are tokenized and queued a batch (``max_num_seqs``)
+        at a time, whenever fewer wait: with async scheduling the device runs the steps queued
+        before, so a large call's tokenizing overlaps its compute instead of coming first. If a
+        prompt is refused (or anything raises, Ctrl-C included), every request of the call is
+        aborted, so none of them stays queued, and the error goes to the caller."""
+        request_ids: list[str] = []
+        wanted: set[str] = set()  # request_ids, to look up
         finished: dict[str, RequestOutput] = {}
+        batch = self.engine.config.max_num_seqs
         progress = None
         if use_tqdm:
             from tqdm import tqdm
 
-            progress = tqdm(total=len(request_ids), desc=activity, unit="req")
-        wanted = set(request_ids)
+            progress = tqdm(total=len(prompts), desc=activity, unit="req")
         try:
-            while len(finished) < len(wanted) and self.engine.has_unfinished_requests():
+            while len(finished) < len(prompts):
+                if len(request_ids) < len(prompts) and self.engine.get_stats().num_waiting_reqs < batch:
+                    self._add_requests(prompts, params, request_ids, batch)
+                    wanted.update(request_ids[len(wanted):])
+                if not self.engine.has_unfinished_requests():
+                    break
                 for output in self.engine.step():
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
                         if progress is not None:
                             progress.update(1)
         except BaseException:
-            # A plugin raised mid-step (or Ctrl-C): drop this call's requests so the engine stays usable.
-            for request_id in request_ids:
-                self.engine.abort_request(request_id)
+            self.engine.abort_request(request_ids)
             raise
         finally:
             if progress is not None:

@@ -207,9 +207,10 @@ class Scheduler:
             if self._awaits_token(request):
                 break  # preempted while a step in flight samples its token: it resumes once that is back
             # A request holding no blocks starts from its longest cached prefix (a fork holds its parent's),
-            # unless it asks for prompt logprobs or pools: those read the hidden states of the tokens it computes.
+            # unless it asks for prompt logprobs: those read the hidden states of the tokens it computes (as
+            # pooling requests do: a pooling engine has no prefix cache).
             looks_up = (self.block_manager.enable_prefix_caching and not self.block_manager.holds_blocks(request)
-                        and request.sampling_params.prompt_logprobs is None and request.pooling_params is None)
+                        and request.sampling_params.prompt_logprobs is None)
             hits = self.block_manager.find_cached_prefix(request) if looks_up else []
             num_cached = len(hits) * self.block_manager.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
