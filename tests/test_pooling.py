@@ -4,6 +4,7 @@ across mixed lengths, chunked prefill and a prompt recomputed after a preemption
 
 import json
 import shutil
+import threading
 
 import pytest
 import torch
@@ -153,9 +154,14 @@ def test_a_large_calls_prompts_are_tokenized_and_queued_a_batch_at_a_time(tiny_l
     processor = llm.engine.input_processor
     batches = []
     real_token_ids_of = processor._token_ids_of
-    processor._token_ids_of = lambda texts: batches.append(texts) or real_token_ids_of(texts)
+    processor._token_ids_of = lambda texts: batches.append((texts, threading.current_thread().name)) \
+        or real_token_ids_of(texts)
     outputs = llm.embed(TEXTS + ["x y"], use_tqdm=False)
-    assert batches == [TEXTS[:2], TEXTS[2:], ["x y"]]  # max_num_seqs each, the last alone (one text)
+    # max_num_seqs each: the first before any step, the next on a thread while the engine steps;
+    # a batch of one text is tokenized as its request is made.
+    assert [texts for texts, _ in batches] == [TEXTS[:2], TEXTS[2:], ["x y"]]
+    assert [thread.startswith("hookllm-tokenize") for _, thread in batches] == [False, True, False]
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("hookllm-tokenize")]
     alone = [llm.embed(text, use_tqdm=False)[0].outputs.embedding for text in TEXTS + ["x y"]]
     torch.testing.assert_close(torch.tensor([o.outputs.embedding for o in outputs]), torch.tensor(alone))
 

@@ -56,15 +56,21 @@ class InputProcessor:
             tokenized[index] = {"prompt": text, "prompt_token_ids": token_ids}
         return tokenized
 
+    @property
+    def tokenizes_in_rust(self) -> bool:
+        """Whether texts are tokenized by a fast tokenizer's Rust code alone: it leaves Python's
+        GIL meanwhile, and changes no tokenizer state, so a thread may tokenize beside the engine."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        return backend is not None and backend.truncation is None and backend.padding is None
+
     def _token_ids_of(self, texts: list[str]) -> list[list[int]]:
         """Each text's input ids, as ``tokenizer(texts)["input_ids"]`` gives them. A fast tokenizer
         with no truncation or padding set is called in Rust directly, through its batch encoder
         without offsets: transformers' wrapper would also build the masks and offsets nobody reads
         (a third of a short text's tokenizing time)."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is None or backend.truncation is not None or backend.padding is not None:
+        if not self.tokenizes_in_rust:
             return self.tokenizer(texts)["input_ids"]
-        return [encoding.ids for encoding in backend.encode_batch_fast(texts)]
+        return [encoding.ids for encoding in self.tokenizer.backend_tokenizer.encode_batch_fast(texts)]
 
     def process(self, request_id: str, prompt: PromptType,
                 params: SamplingParams | PoolingParams | None) -> EngineCoreRequest:

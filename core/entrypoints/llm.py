@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from pathlib import Path
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from hookllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
@@ -160,12 +161,10 @@ class LLM:
                 for output, score, prompt in zip(outputs[-len(seconds):], pair_scores(outputs, method), tokens)]
 
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams | PoolingParams],
-                      request_ids: list[str], count: int) -> None:
-        """Queue the next ``count`` prompts (those after the ``request_ids`` queued so far), their
-        texts tokenized in one call; a refused prompt's error names its index."""
-        start = len(request_ids)
-        texts = self.engine.input_processor.tokenize_texts(prompts[start:start + count])
-        for prompt, request_params in zip(texts, params[start:start + count]):
+                      request_ids: list[str]) -> None:
+        """Queue ``prompts`` (tokenized already, or tokenized here), appending their request ids;
+        a refused prompt's error names its index in the call."""
+        for prompt, request_params in zip(prompts, params):
             try:
                 request_ids.append(self.engine.add_request(self._next_request_id(), prompt, request_params))
             except ValueError as exc:
@@ -211,15 +210,22 @@ class LLM:
     def _run(self, prompts: list[PromptType], params: list[SamplingParams | PoolingParams], use_tqdm: bool,
              activity: str = "generating") -> list[RequestOutput]:
         """Queue one request per prompt and step the engine until each has finished; the outputs
-        in the order of ``prompts``. The prompts are tokenized and queued a batch (``max_num_seqs``)
-        at a time, whenever fewer wait: with async scheduling the device runs the steps queued
-        before, so a large call's tokenizing overlaps its compute instead of coming first. If a
-        prompt is refused (or anything raises, Ctrl-C included), every request of the call is
-        aborted, so none of them stays queued, and the error goes to the caller."""
+        in the order of ``prompts``.
+
+        The prompts are queued a batch (``max_num_seqs``) at a time, whenever fewer wait, each
+        batch's texts tokenized in one call. A fast tokenizer tokenizes the next batch on a thread
+        meanwhile (its Rust code leaves the GIL), so a large call's tokenizing runs beside the
+        engine's steps instead of before them. If a prompt is refused (or anything raises, Ctrl-C
+        included), every request of the call is aborted, so none of them stays queued, and the
+        error goes to the caller."""
+        processor = self.engine.input_processor
+        batch = self.engine.config.max_num_seqs
         request_ids: list[str] = []
         wanted: set[str] = set()  # request_ids, to look up
         finished: dict[str, RequestOutput] = {}
-        batch = self.engine.config.max_num_seqs
+        tokenizer_thread = (ThreadPoolExecutor(1, thread_name_prefix="hookllm-tokenize")
+                            if len(prompts) > batch and processor.tokenizes_in_rust else None)
+        next_batch: Future | None = None  # the tokenizer thread's work on the next batch
         progress = None
         if use_tqdm:
             from tqdm import tqdm
@@ -227,9 +233,15 @@ class LLM:
             progress = tqdm(total=len(prompts), desc=activity, unit="req")
         try:
             while len(finished) < len(prompts):
-                if len(request_ids) < len(prompts) and self.engine.get_stats().num_waiting_reqs < batch:
-                    self._add_requests(prompts, params, request_ids, batch)
-                    wanted.update(request_ids[len(wanted):])
+                start = len(request_ids)
+                if start < len(prompts) and self.engine.get_stats().num_waiting_reqs < batch:
+                    this_batch = prompts[start:start + batch]
+                    tokenized = next_batch.result() if next_batch else processor.tokenize_texts(this_batch)
+                    if tokenizer_thread is not None and start + batch < len(prompts):
+                        next_batch = tokenizer_thread.submit(processor.tokenize_texts,
+                                                             prompts[start + batch:start + 2 * batch])
+                    self._add_requests(tokenized, params[start:start + batch], request_ids)
+                    wanted.update(request_ids[start:])
                 if not self.engine.has_unfinished_requests():
                     break
                 for output in self.engine.step():
@@ -241,6 +253,8 @@ class LLM:
             self.engine.abort_request(request_ids)
             raise
         finally:
+            if tokenizer_thread is not None:
+                tokenizer_thread.shutdown(cancel_futures=True)
             if progress is not None:
                 progress.close()
         return [finished[request_id] for request_id in request_ids]
