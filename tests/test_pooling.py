@@ -149,6 +149,15 @@ def test_a_calls_texts_are_tokenized_together_as_the_engine_tokenizes_each(tiny_
     assert [o.prompt_token_ids for o in outputs] == [tokenizer(t)["input_ids"] for t in TEXTS + ["x y"]] + [[5, 6]]
 
 
+def test_a_tokenizer_with_truncation_set_tokenizes_through_transformers(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", runner="pooling")
+    processor, tokenizer = llm.engine.input_processor, llm.get_tokenizer()
+    assert processor.tokenizes_in_rust
+    tokenizer.backend_tokenizer.enable_truncation(3)  # state transformers' wrapper overrides
+    assert not processor.tokenizes_in_rust
+    assert processor._token_ids_of(TEXTS) == tokenizer(TEXTS)["input_ids"]
+
+
 def test_a_large_calls_prompts_are_tokenized_and_queued_a_batch_at_a_time(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", runner="pooling", max_num_seqs=2)
     processor = llm.engine.input_processor
