@@ -10,9 +10,12 @@ texts (default 10,000) of 16 to 512 tokens, uniform. Both sides start from the t
 calls; sentence-transformers' ``encode`` (bf16, sdpa attention, the texts sorted by length as it
 does) at each batch size of ``--st-batch-sizes``, the best one reported. Also the FLOPs floor:
 2 x parameters x tokens at the dense bf16 rate, plus attention. ``--no-compile-too`` times
-hookllm once more without torch.compile (CUDA graphs still on).
+hookllm once more without torch.compile (CUDA graphs still on). ``--tiny`` runs the same
+comparison on the CPU with a one-layer tiny BERT in float32 (a smoke test, and the host's cost
+per embedding where the model costs almost nothing).
 
     python benchmarks/pooling.py [--shape bert-base] [--num-inputs 10000] [--no-compile-too]
+    python benchmarks/pooling.py --tiny --num-inputs 500
 """
 
 from __future__ import annotations
@@ -66,6 +69,21 @@ def workload(num: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choices(words, k=rng.randint(14, 510))) for _ in range(num)]
 
 
+def tiny_checkpoint(root: Path) -> Path:
+    """A one-layer tiny random BERT (float32) whose vocabulary holds the WordPiece tokenizer's."""
+    from transformers import AutoModel, BertConfig
+
+    from hookllm.testing import WORDPIECE_VOCAB
+
+    path = root / "tiny-bert"
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        config = BertConfig(vocab_size=len(WORDPIECE_VOCAB), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=64, max_position_embeddings=512)
+        AutoModel.from_config(config).save_pretrained(path)
+    return path
+
+
 def time_hookllm(path: Path, texts: list[str], repeat: int, **engine_args) -> tuple[list[float], torch.Tensor]:
     from hookllm import LLM
 
@@ -84,11 +102,12 @@ def time_hookllm(path: Path, texts: list[str], repeat: int, **engine_args) -> tu
     return walls, torch.tensor([o.outputs.embedding for o in outputs[:64]])
 
 
-def time_sentence_transformers(path: Path, texts: list[str], batch_size: int) -> tuple[float, torch.Tensor]:
+def time_sentence_transformers(path: Path, texts: list[str], batch_size: int,
+                               dtype: torch.dtype = torch.bfloat16) -> tuple[float, torch.Tensor]:
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(str(path), device="cuda",
-                                model_kwargs={"dtype": torch.bfloat16, "attn_implementation": "sdpa"})
+    model = SentenceTransformer(str(path), device="cuda" if torch.cuda.is_available() else "cpu",
+                                model_kwargs={"dtype": dtype, "attn_implementation": "sdpa"})
     model.encode(texts[:256], batch_size=batch_size)  # a first call, untimed
     synchronize()
     start = time.perf_counter()
@@ -109,7 +128,7 @@ def flops_floor_s(shape: dict, tokens_per_input: list[int]) -> float:
     return (matmuls + attention) / BF16_FLOP_PER_S
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="bert-base", choices=sorted(POOLING))
     parser.add_argument("--root", default="/tmp/hookllm-bench")
@@ -117,33 +136,40 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--st-batch-sizes", default="32,128")
     parser.add_argument("--no-compile-too", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random BERT on the CPU, float32 (smoke test)")
     add_out_argument(parser)
-    args = parser.parse_args()
-    path = embedding_pipeline(random_checkpoint(args.shape, Path(args.root)), POOLING[args.shape])
-    shape = SHAPES[args.shape]
+    args = parser.parse_args(argv)
+    shape_name = "tiny-bert" if args.tiny else args.shape
+    pooling = "mean" if args.tiny else POOLING[args.shape]
+    root = Path(args.root)
+    path = embedding_pipeline(tiny_checkpoint(root) if args.tiny else random_checkpoint(args.shape, root), pooling)
+    engine_args = {"device": "cpu", "dtype": "float32"} if args.tiny else {}
     texts = workload(args.num_inputs)
     tokens = [len(text.split()) + 2 for text in texts]
-    walls, ours = time_hookllm(path, texts, args.repeat)
+    walls, ours = time_hookllm(path, texts, args.repeat, **engine_args)
     ours_s = statistics.median(walls)
-    uncompiled = statistics.median(time_hookllm(path, texts, args.repeat, torch_compile=False)[0]) \
+    uncompiled = statistics.median(time_hookllm(path, texts, args.repeat, torch_compile=False, **engine_args)[0]) \
         if args.no_compile_too else None
-    theirs = {int(size): time_sentence_transformers(path, texts, int(size)) for size in args.st_batch_sizes.split(",")}
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    theirs = {int(size): time_sentence_transformers(path, texts, int(size), dtype)
+              for size in args.st_batch_sizes.split(",")}
     best_size = min(theirs, key=lambda size: theirs[size][0])
     theirs_s, reference = theirs[best_size]
-    floor_s = flops_floor_s(shape, tokens)
+    floor_s = None if args.tiny else flops_floor_s(SHAPES[args.shape], tokens)
     cosine = float(torch.nn.functional.cosine_similarity(ours, reference).min())
-    payload = {"device": device_name(), "date": now(), "commit": commit(), "shape": args.shape,
-               "pooling": POOLING[args.shape], "num_inputs": args.num_inputs, "tokens": sum(tokens),
+    payload = {"device": device_name(), "date": now(), "commit": commit(), "shape": shape_name,
+               "pooling": pooling, "num_inputs": args.num_inputs, "tokens": sum(tokens),
                "hookllm_walls_s": walls, "hookllm_embeddings_per_s": args.num_inputs / ours_s,
                "hookllm_without_torch_compile_embeddings_per_s": uncompiled and args.num_inputs / uncompiled,
                "sentence_transformers_embeddings_per_s": {size: args.num_inputs / s for size, (s, _) in theirs.items()},
-               "speedup": theirs_s / ours_s, "flops_floor_embeddings_per_s": args.num_inputs / floor_s,
+               "speedup": theirs_s / ours_s, "flops_floor_embeddings_per_s": floor_s and args.num_inputs / floor_s,
                "min_cosine_to_sentence_transformers": cosine}
-    out = write_result(f"pooling-{args.shape}", payload, args.out)
-    print(f"{args.shape} on {payload['device']} ({payload['commit']}), {args.num_inputs} texts of 16-512 tokens")
+    out = write_result(f"pooling-{shape_name}", payload, args.out)
+    print(f"{shape_name} on {payload['device']} ({payload['commit']}), {args.num_inputs} texts of 16-512 tokens")
     print(f"hookllm {args.num_inputs / ours_s:,.0f} embeddings/s; sentence-transformers "
-          f"{args.num_inputs / theirs_s:,.0f} (batch {best_size}): {theirs_s / ours_s:.2f}x; FLOPs floor "
-          f"{args.num_inputs / floor_s:,.0f}/s ({floor_s / ours_s:.0%}); min cosine {cosine:.4f}"
+          f"{args.num_inputs / theirs_s:,.0f} (batch {best_size}): {theirs_s / ours_s:.2f}x; "
+          + (f"FLOPs floor {args.num_inputs / floor_s:,.0f}/s ({floor_s / ours_s:.0%}); " if floor_s else "")
+          + f"min cosine {cosine:.4f}"
           + (f"; without torch.compile {args.num_inputs / uncompiled:,.0f}/s" if uncompiled else "")
           + f"\nwrote {out}")
 

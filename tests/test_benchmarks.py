@@ -185,3 +185,13 @@ def test_fp8_runs_name_their_result_files_and_pass_only_the_options_set(throughp
     assert throughput.precision(both) == {"quantization": "fp8", "kv_cache_dtype": "fp8"}
     assert throughput.precision_suffix(both) == "-fp8-kvfp8"
     assert throughput.precision_suffix(Namespace(quantization=None, kv_cache_dtype="fp8")) == "-kvfp8"
+
+
+def test_pooling_compares_embeddings_with_sentence_transformers_on_the_same_texts(tmp_path):
+    pooling = load_benchmark("pooling")
+    pooling.main(["--tiny", "--num-inputs", "40", "--repeat", "1", "--st-batch-sizes", "16", "--root", str(tmp_path),
+                  "--out", str(tmp_path / "out")])
+    result = json.loads((tmp_path / "out" / "pooling-tiny-bert.json").read_text())
+    assert result["min_cosine_to_sentence_transformers"] > 0.9999
+    assert result["hookllm_embeddings_per_s"] > 0 and result["flops_floor_embeddings_per_s"] is None
+    assert 40 * 16 <= result["tokens"] <= 40 * 512
