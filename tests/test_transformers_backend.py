@@ -374,12 +374,14 @@ def test_gated_mlps_run_gate_and_up_as_one_matmul(name, fused, tmp_path):
 
 
 @pytest.mark.parametrize("name, fused", [("llama", 2), ("qwen3-moe", 2), ("gemma2-softcap-window", 2),
-                                         ("smollm3-nope-layers", 1), ("olmo2", 0), ("gpt-neox-partial-rotary", 0)])
+                                         ("gemma3-text-window", 2), ("smollm3-nope-layers", 1), ("olmo2", 0),
+                                         ("gpt-neox-partial-rotary", 0)])
 def test_attention_modules_run_q_k_and_v_as_one_matmul(name, fused, tmp_path):
-    """Llama's, Qwen 3's (q/k norms) and Gemma 2's (window, soft-cap) attention modules stack their
-    q, k and v projections into one weight; SmolLM3's layer without RoPE, OLMo 2's (q/k norms over
-    the whole projection) and GPT-NeoX's (one query_key_value already) compute otherwise and stay
-    as transformers wrote them. (The tokens are checked in the tests above.)"""
+    """Llama's, Qwen 3's (q/k norms), Gemma 2's (window, soft-cap) and Gemma 3's (RoPE by layer
+    type) attention modules stack their q, k and v projections into one weight; SmolLM3's layer
+    without RoPE, OLMo 2's (q/k norms over the whole projection) and GPT-NeoX's (one
+    query_key_value already) compute otherwise and stay as transformers wrote them. (The tokens
+    are checked in the tests above.)"""
     path = testing.build_tiny_checkpoint(CASES[name].config(), tmp_path / name)
     model = LLM(str(path), dtype="float32", device="cpu", model_impl="transformers").engine.engine_core.executor.model
     assert sum(isinstance(m, FusedQKVAttention) for m in model.hf_model.modules()) == fused

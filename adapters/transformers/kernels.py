@@ -13,6 +13,7 @@ function with the same settings, and the same output): a model whose norm differ
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any, Callable
 
@@ -125,13 +126,13 @@ def _fused_qkv_attention(module: nn.Module, rotary: nn.Module | None) -> FusedQK
     generator = torch.Generator(q.weight.device).manual_seed(0)
     x = torch.randn(1, 4, q.in_features, generator=generator, device=q.weight.device).to(q.weight.dtype)
     try:
-        position_embeddings = rotary(x, torch.arange(4, device=x.device)[None])
+        position_embeddings = _rotary_tables(rotary, module, x)
         theirs = _attention_call(module, x, position_embeddings)
         # What the module passes from its own attributes or config (constant once loaded).
         fused.settings = {name: value for name, value in (("sliding_window", theirs[-1].sliding_window),
                                                           ("softcap", theirs[-1].softcap)) if value is not None}
         mine = _attention_call(fused, x, position_embeddings)
-    except (TypeError, ValueError, RuntimeError, AttributeError):  # wired otherwise: it keeps its own
+    except (TypeError, ValueError, RuntimeError, AttributeError, LookupError):  # wired otherwise: kept
         return None
     try:
         for ours, reference in zip(mine[:-1], theirs[:-1]):
@@ -142,6 +143,15 @@ def _fused_qkv_attention(module: nn.Module, rotary: nn.Module | None) -> FusedQK
         return None
     del module.q_proj, module.k_proj, module.v_proj
     return fused
+
+
+def _rotary_tables(rotary: nn.Module, module: nn.Module, x: torch.Tensor) -> Any:
+    """The model's RoPE cos and sin for ``x``'s positions; a RoPE that differs by layer type
+    (Gemma 3's) is asked for the module's own (either would give both forwards the same)."""
+    positions = torch.arange(x.shape[1], device=x.device)[None]
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        return rotary(x, positions, getattr(module, "layer_type", None))
+    return rotary(x, positions)
 
 
 class _Capture(attention.Route):
