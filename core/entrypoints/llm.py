@@ -162,8 +162,9 @@ class LLM:
 
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams | PoolingParams],
                       request_ids: list[str]) -> None:
-        """Queue ``prompts`` (tokenized already, or tokenized here), appending their request ids;
-        a refused prompt's error names its index in the call."""
+        """Queue ``prompts`` (their texts tokenized already, or by the input processor as each
+        request is made), appending their request ids; a refused prompt's error names its index
+        in the call."""
         for prompt, request_params in zip(prompts, params):
             try:
                 request_ids.append(self.engine.add_request(self._next_request_id(), prompt, request_params))
