@@ -82,10 +82,14 @@ class BlockManager:
         # list; without one, no entry is null and block 0 is an ordinary block.
         self.null_block = 0 if self.window_groups else None
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # Blocks no request holds, least recently freed first: a cached one among them is evicted
-        # (loses its hash) only when it is taken for new tokens.
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(
-            range(0 if self.null_block is None else 1, num_blocks))
+        # Blocks no request holds. Under prefix caching, least recently freed first: a cached one
+        # among them is evicted (loses its hash) only when it is taken for new tokens. Without it
+        # a freed block holds nothing findable, so a stack serves (taken and given back by slices,
+        # not a dict operation per block: a prompt takes a block per block_size tokens).
+        first = 0 if self.null_block is None else 1
+        self.free_block_ids: OrderedDict[int, None] | list[int] = (
+            OrderedDict.fromkeys(range(first, num_blocks)) if enable_prefix_caching
+            else list(range(num_blocks - 1, first - 1, -1)))
         self.cached: dict[tuple[int, bytes], int] = {}  # (group, block hash) -> block id
         # (source, destination) block pairs the worker must copy before the next step runs.
         self.pending_copies: list[tuple[int, int]] = []
@@ -134,6 +138,8 @@ class BlockManager:
         """The most blocks the completions of one user request (one, or ``n`` sharing a prompt)
         hold together: if the cache has fewer, they could never all run."""
         first = requests[0]
+        if len(requests) == 1 and not self.window_groups:  # the usual case, once per request: every group whole
+            return len(self.group_windows) * self.blocks_needed(first.max_num_tokens)
         # Under prefix caching the children share the prompt's full blocks (all of them: an upper bound).
         shared = (first.num_prompt_tokens // self.block_size
                   if len(requests) > 1 and self.enable_prefix_caching else 0)
@@ -330,11 +336,10 @@ class BlockManager:
                 first_changed = min(first_changed, i)
                 source = self.blocks[block_ids[i]]
                 source.ref_count -= 1
-                copy = self._allocate_free()
+                copy, = self._allocate_free(1)
                 self.pending_copies.append((source.block_id, copy))
                 block_ids[i] = copy
-            for _ in range(total_blocks - len(block_ids)):
-                block_ids.append(self._allocate_free())
+            block_ids += self._allocate_free(total_blocks - len(block_ids))
         self._write_row(request, tables, first_changed)
         if self.enable_prefix_caching:
             self._register_full_blocks(request, computed + num_new_tokens)
@@ -361,8 +366,8 @@ class BlockManager:
                 i = end - 1
                 # Freed entries are a prefix: walk back from the window to the last one freed before.
                 while i >= 0 and block_ids[i] != self.null_block:
-                    self._release(block_ids[i])
                     i -= 1
+                self._release(block_ids[i + 1:end][::-1])
                 self.table[group, row, i + 1:end] = self.null_block
                 self.row_synced[row] = min(self.row_synced[row], i + 1)
 
@@ -386,24 +391,39 @@ class BlockManager:
             del self.free_block_ids[block_id]
         block.ref_count += 1
 
-    def _release(self, block_id: int) -> None:
-        """Drop one reference to a block; unreferenced, it goes to the free list (still findable)."""
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self.free_block_ids[block_id] = None
+    def _release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference to each block, in order; the unreferenced go to the free list (still findable)."""
+        blocks, freed = self.blocks, []
+        for block_id in block_ids:
+            block = blocks[block_id]
+            block.ref_count -= 1
+            if not block.ref_count:
+                freed.append(block_id)
+        if self.enable_prefix_caching:
+            self.free_block_ids.update(dict.fromkeys(freed))
+        else:
+            self.free_block_ids += freed
 
-    def _allocate_free(self) -> int:
-        """A free block for new tokens, least recently freed first, evicted from the cache."""
-        block_id, _ = self.free_block_ids.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.cache_key is not None:
-            if self.kv_events is not None:
-                self.kv_events.append(block_removed(block.cache_key[1], block.cache_key[0]))
-            del self.cached[block.cache_key]
-            block.cache_key = None
-        block.ref_count = 1
-        return block_id
+    def _allocate_free(self, count: int) -> list[int]:
+        """``count`` free blocks for new tokens (under prefix caching the least recently freed,
+        evicted from the cache)."""
+        free, blocks = self.free_block_ids, self.blocks
+        if not self.enable_prefix_caching:
+            block_ids = free[len(free) - count:][::-1]  # the stack's top first: a fresh cache hands out 0, 1, 2...
+            del free[len(free) - count:]
+            for block_id in block_ids:
+                blocks[block_id].ref_count = 1
+            return block_ids
+        block_ids = [free.popitem(last=False)[0] for _ in range(count)]
+        for block_id in block_ids:
+            block = blocks[block_id]
+            block.ref_count = 1
+            if block.cache_key is not None:
+                if self.kv_events is not None:
+                    self.kv_events.append(block_removed(block.cache_key[1], block.cache_key[0]))
+                del self.cached[block.cache_key]
+                block.cache_key = None
+        return block_ids
 
     def _write_row(self, request: Request, tables: list[list[int]], first: int) -> None:
         """Store every group's block ids (``tables``, all one length) from ``first`` on in the
@@ -460,10 +480,12 @@ class BlockManager:
         Its last blocks are freed first (in every group), so they are evicted before the prefix
         others may share.
         """
-        for position in reversed(list(zip(*self.block_ids(request)))):
-            for block_id in position:
-                if block_id != self.null_block:
-                    self._release(block_id)
+        tables = self.block_ids(request)
+        if len(tables) == 1 and self.null_block is None:
+            self._release(tables[0][::-1])
+        else:
+            self._release([block_id for position in reversed(list(zip(*tables))) for block_id in position
+                           if block_id != self.null_block])
         request.num_registered_blocks = 0
         row = request.block_table_row
         if row is not None:
