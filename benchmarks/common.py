@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -117,6 +118,35 @@ def commit() -> str:
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def instrument(root: object, parts: dict[str, tuple[object, str]], totals: dict[str, float]) -> None:
+    """Wrap each part's method with a host timer adding into ``totals[part]``. A part is (owner,
+    method name): the owner is an object or class, or a dotted attribute path from ``root``
+    ("" for ``root`` itself)."""
+    for name, (owner, method) in parts.items():
+        target = owner
+        if isinstance(owner, str):
+            target = root
+            for attr in filter(None, owner.split(".")):
+                target = getattr(target, attr)
+        original = getattr(target, method)
+
+        def timed(*args, _original=original, _name=name, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                totals[_name] += time.perf_counter() - start
+
+        setattr(target, method, timed)
+
+
+def kernel_times(prof: torch.profiler.profile) -> list[tuple[str, float]]:
+    """Each CUDA kernel's total GPU time in seconds under ``prof``, longest first: their sum is
+    the GPU's busy time."""
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    return sorted(((e.key, e.self_device_time_total / 1e6) for e in kernels), key=lambda kernel: -kernel[1])
 
 
 def device_name() -> str:

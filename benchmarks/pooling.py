@@ -10,7 +10,9 @@ texts (default 10,000) of 16 to 512 tokens, uniform. Both sides start from the t
 calls; sentence-transformers' ``encode`` (bf16, sdpa attention, the texts sorted by length as it
 does) at each batch size of ``--st-batch-sizes``, the best one reported. Also the FLOPs floor:
 2 x parameters x tokens at the dense bf16 rate, plus attention. ``--no-compile-too`` times
-hookllm once more without torch.compile (CUDA graphs still on). ``--tiny`` runs the same
+hookllm once more without torch.compile (CUDA graphs still on). ``--profile`` adds a call with
+host timers around the engine's parts and one under torch.profiler (GPU busy time, top kernels),
+to tell whether the steps wait on the host or the device. ``--tiny`` runs the same
 comparison on the CPU with a one-layer tiny BERT in float32 (a smoke test, and the host's cost
 per embedding where the model costs almost nothing).
 
@@ -32,7 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (BF16_FLOP_PER_S, SHAPES, add_out_argument, commit, device_name, head_dim,  # noqa: E402
-                    linear_params_per_layer, now, random_checkpoint, synchronize, write_result)
+                    instrument, kernel_times, linear_params_per_layer, now, random_checkpoint, synchronize,
+                    write_result)
 
 POOLING = {"bert-base": "mean", "qwen3-0.6b": "lasttoken"}
 
@@ -84,13 +87,53 @@ def tiny_checkpoint(root: Path) -> Path:
     return path
 
 
-def time_hookllm(path: Path, texts: list[str], repeat: int, **engine_args) -> tuple[list[float], torch.Tensor]:
+# Where an LLM.embed call's host time goes (--profile): timers around these methods, by dotted
+# path from the LLM. The tokenizer's time includes its thread's, beside the steps.
+HOST_PARTS = {
+    "queue requests (checks, request objects, admission)": ("", "_add_requests"),
+    "tokenize (either thread)": ("engine.input_processor", "tokenize_texts"),
+    "schedule": ("engine.engine_core.scheduler", "schedule"),
+    "forward (build inputs, launch the model, pool)": ("engine.engine_core.executor.runner", "execute"),
+    "read a step's outputs (waits for the device)": ("engine.engine_core", "_update"),
+}
+
+
+def start_hookllm(path: Path, texts: list[str], **engine_args):
     from hookllm import LLM
 
     # An encoder computes each prompt whole: steps of many prompts spread each step's fixed costs
     # (a launch per kernel and layer) over more of them.
     llm = LLM(str(path), max_model_len=512, max_num_seqs=1024, max_num_batched_tokens=65536, **engine_args)
     llm.embed(texts[:256], use_tqdm=False)  # a first call, untimed
+    return llm
+
+
+def profile_hookllm(path: Path, texts: list[str], **engine_args) -> dict:
+    """One call with host timers around the engine's parts, then one under torch.profiler: its
+    GPU busy time against the first call's wall time (a share well under 1: the steps wait on the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = start_hookllm(path, texts, **engine_args)
+    totals: dict[str, float] = dict.fromkeys(HOST_PARTS, 0.0)
+    instrument(llm, HOST_PARTS, totals)
+    synchronize()
+    start = time.perf_counter()
+    llm.embed(texts, use_tqdm=False)
+    synchronize()
+    wall = time.perf_counter() - start
+    host = dict(totals)  # this call's alone (the timers stay on under the profiler)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        llm.embed(texts, use_tqdm=False)
+        synchronize()
+    llm.shutdown()
+    kernels = kernel_times(prof)
+    return {"wall_s": wall, "host_s_by_part": host, "gpu_busy_s": sum(seconds for _, seconds in kernels),
+            "top_kernels_s": {name[:80]: seconds for name, seconds in kernels[:12]}}
+
+
+def time_hookllm(path: Path, texts: list[str], repeat: int, **engine_args) -> tuple[list[float], torch.Tensor]:
+    llm = start_hookllm(path, texts, **engine_args)
     walls, outputs = [], None
     for _ in range(repeat):
         synchronize()
@@ -136,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--st-batch-sizes", default="32,128")
     parser.add_argument("--no-compile-too", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="also one call with host timers by engine part, and one under torch.profiler")
     parser.add_argument("--tiny", action="store_true", help="a tiny random BERT on the CPU, float32 (smoke test)")
     add_out_argument(parser)
     args = parser.parse_args(argv)
@@ -150,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     ours_s = statistics.median(walls)
     uncompiled = statistics.median(time_hookllm(path, texts, args.repeat, torch_compile=False, **engine_args)[0]) \
         if args.no_compile_too else None
+    profiled = profile_hookllm(path, texts, **engine_args) if args.profile else None
     dtype = torch.float32 if args.tiny else torch.bfloat16
     theirs = {int(size): time_sentence_transformers(path, texts, int(size), dtype)
               for size in args.st_batch_sizes.split(",")}
@@ -163,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
                "hookllm_without_torch_compile_embeddings_per_s": uncompiled and args.num_inputs / uncompiled,
                "sentence_transformers_embeddings_per_s": {size: args.num_inputs / s for size, (s, _) in theirs.items()},
                "speedup": theirs_s / ours_s, "flops_floor_embeddings_per_s": floor_s and args.num_inputs / floor_s,
-               "min_cosine_to_sentence_transformers": cosine}
+               "min_cosine_to_sentence_transformers": cosine, "profile": profiled}
     out = write_result(f"pooling-{shape_name}", payload, args.out)
     print(f"{shape_name} on {payload['device']} ({payload['commit']}), {args.num_inputs} texts of 16-512 tokens")
     print(f"hookllm {args.num_inputs / ours_s:,.0f} embeddings/s; sentence-transformers "
@@ -172,6 +218,14 @@ def main(argv: list[str] | None = None) -> None:
           + f"min cosine {cosine:.4f}"
           + (f"; without torch.compile {args.num_inputs / uncompiled:,.0f}/s" if uncompiled else "")
           + f"\nwrote {out}")
+    if profiled:
+        wall = profiled["wall_s"]
+        print(f"one call: {1e6 * wall / args.num_inputs:.0f} us a text; host parts (us a text): "
+              + ", ".join(f"{part} {1e6 * s / args.num_inputs:.0f}" for part, s in profiled["host_s_by_part"].items())
+              + f"; GPU busy {1e6 * profiled['gpu_busy_s'] / args.num_inputs:.0f} us a text "
+              f"({profiled['gpu_busy_s'] / wall:.0%} of the wall)")
+        for name, seconds in profiled["top_kernels_s"].items():
+            print(f"  {1e3 * seconds:9.2f} ms  {name}")
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (SHAPES, add_out_argument, commit, device_name, has_weights, now, random_checkpoint,  # noqa: E402
-                    write_result)
+from common import (SHAPES, add_out_argument, commit, device_name, has_weights, instrument,  # noqa: E402
+                    kernel_times, now, random_checkpoint, write_result)
 from throughput import add_sampling_arguments, sampling, sampling_suffix, workload_a  # noqa: E402
 
 from hookllm.worker.model_runner import StepOutput  # noqa: E402
@@ -38,26 +38,6 @@ PARTS = {
     "process outputs": ("output_processor", "process_outputs"),
     "wait for tokens": (StepOutput, "resolve"),
 }
-
-
-def instrument(engine, totals) -> None:
-    """Wrap each part's method with a host timer accumulating into ``totals``."""
-    for name, (owner, method) in PARTS.items():
-        target = owner
-        if isinstance(owner, str):
-            target = engine
-            for attr in filter(None, owner.split(".")):
-                target = getattr(target, attr)
-        original = getattr(target, method)
-
-        def timed(*args, _original=original, _name=name, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                totals[_name] += time.perf_counter() - start
-
-        setattr(target, method, timed)
 
 
 # GPU time by part of the model, from kernel names: paged attention and its K/V writes; the MoE
@@ -109,24 +89,23 @@ def main() -> None:
     # Host parts without the profiler (CUPTI slows graph launches), then GPU time under it.
     plain_ms = 1e3 * timed_steps(engine, args.steps)
     totals: dict[str, float] = defaultdict(float)
-    instrument(engine, totals)
+    instrument(engine, PARTS, totals)
     wall_ms = 1e3 * timed_steps(engine, args.steps)
     host_ms = {f"host_ms_{k}": 1e3 * v / args.steps for k, v in totals.items()}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         timed_steps(engine, args.steps)
-    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
-    gpu_total = sum(e.self_device_time_total for e in kernels) / 1e6
+    kernels = kernel_times(prof)
+    gpu_total = sum(seconds for _, seconds in kernels)
     batch = len(engine.engine_core.scheduler.running)
     rows = {"wall_ms_per_step": plain_ms, "wall_ms_per_step_timed_parts": wall_ms,
             "gpu_busy_ms_per_step": 1e3 * gpu_total / args.steps, "batch": batch,
             **host_ms}
-    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:12]
     split: dict[str, float] = defaultdict(float)
-    for e in kernels:
-        split[kernel_part(e.key)] += e.self_device_time_total / args.steps / 1e3
+    for name, seconds in kernels:
+        split[kernel_part(name)] += 1e3 * seconds / args.steps
     rows.update({f"gpu_ms_per_step_{part}": ms for part, ms in sorted(split.items())})
     payload = {"device": device_name(), "date": now(), "commit": commit(), "model": args.shape, "per_step": rows,
-               "top_kernels_us_per_step": {e.key[:80]: e.self_device_time_total / args.steps for e in top}}
+               "top_kernels_us_per_step": {name[:80]: 1e6 * seconds / args.steps for name, seconds in kernels[:12]}}
     mode = ("sync" if args.sync else "async") + sampling_suffix(args)
     write_result(f"profile-{args.shape}-{mode}", payload, args.out)
     print(f"\n{args.shape}, {batch} running requests, {args.steps} decode steps, {mode} ({payload['commit']})")

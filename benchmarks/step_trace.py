@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, add_out_argument, commit, device_name, now, random_checkpoint, write_result  # noqa: E402
+from common import (SHAPES, add_out_argument, commit, device_name, instrument, kernel_times, now,  # noqa: E402
+                    random_checkpoint, write_result)
 from throughput import WORKLOADS, random_workload  # noqa: E402
 
 
@@ -95,21 +96,20 @@ def profiled(engine, prompts, max_tokens) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from profile_step import instrument
+    from profile_step import PARTS
 
     totals: dict[str, float] = defaultdict(float)
-    instrument(engine, totals)
+    instrument(engine, PARTS, totals)
     torch.cuda.synchronize()
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         steps = trace(engine, prompts, max_tokens)
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
-    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
-    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    kernels = kernel_times(prof)
     return {"wall_s": wall, "steps": len(steps),
-            "gpu_busy_s": sum(e.self_device_time_total for e in kernels) / 1e6,
-            "top_kernels_s": {e.key[:90]: e.self_device_time_total / 1e6 for e in top},
+            "gpu_busy_s": sum(seconds for _, seconds in kernels),
+            "top_kernels_s": {name[:90]: seconds for name, seconds in kernels[:12]},
             "host_s_by_part": dict(totals)}
 
 

@@ -195,3 +195,15 @@ def test_pooling_compares_embeddings_with_sentence_transformers_on_the_same_text
     assert result["min_cosine_to_sentence_transformers"] > 0.9999
     assert result["hookllm_embeddings_per_s"] > 0 and result["flops_floor_embeddings_per_s"] is None
     assert 40 * 16 <= result["tokens"] <= 40 * 512
+
+
+def test_pooling_profile_times_the_engine_parts_of_one_call(tmp_path):
+    pooling = load_benchmark("pooling")
+    pooling.main(["--tiny", "--num-inputs", "40", "--repeat", "1", "--st-batch-sizes", "16", "--profile",
+                  "--root", str(tmp_path), "--out", str(tmp_path / "out")])
+    profiled = json.loads((tmp_path / "out" / "pooling-tiny-bert.json").read_text())["profile"]
+    parts = profiled["host_s_by_part"]
+    assert set(parts) == set(pooling.HOST_PARTS) and all(seconds > 0 for seconds in parts.values())
+    # Every part runs inside the call (the tokenizer's thread aside: 40 texts are one batch, tokenized in line).
+    assert sum(parts.values()) < profiled["wall_s"]
+    assert profiled["gpu_busy_s"] == 0 and profiled["top_kernels_s"] == {}  # on the CPU: no CUDA kernels
