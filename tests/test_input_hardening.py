@@ -27,6 +27,23 @@ def test_non_int_token_ids_are_refused(llm, bad):
     assert_nothing_left(llm)
 
 
+@pytest.mark.parametrize("bad", [-1, 10**6])
+def test_token_ids_outside_the_vocabulary_are_refused(llm, bad):
+    with pytest.raises(ValueError, match=r"prompt 0: request \S+: prompt token ids must be in \[0, \d+\)"):
+        llm.generate({"prompt_token_ids": [5, bad, 7]}, use_tqdm=False)
+    assert_nothing_left(llm)
+
+
+def test_texts_the_engine_tokenizes_are_still_bounded_by_the_models_vocabulary(llm, monkeypatch):
+    # Their ids skip the per-id type checks, not the vocabulary's bound (a tokenizer may have
+    # added tokens the model's embeddings lack).
+    processor = llm.engine.input_processor
+    monkeypatch.setattr(processor, "vocab_size", 3)
+    with pytest.raises(ValueError, match=r"prompt 0: request \S+: prompt token ids must be in \[0, 3\)"):
+        llm.generate(["hello world", "the capital"], use_tqdm=False)
+    assert_nothing_left(llm)
+
+
 def test_prompt_token_ids_given_as_a_string_are_refused(llm):
     with pytest.raises(ValueError, match="prompt_token_ids must be a list of ints, got str"):
         llm.generate({"prompt_token_ids": "5 6 7"}, use_tqdm=False)

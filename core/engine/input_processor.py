@@ -20,6 +20,12 @@ from hookllm.sampling_params import SamplingParams
 from hookllm.engine.core_request import EngineCoreRequest
 
 PROMPT_FIELDS = frozenset(("prompt", "prompt_token_ids", "multi_modal_data", "cache_salt", "token_type_ids"))
+
+
+class TokenizedText(dict):
+    """A text prompt with the ids the engine's own tokenizer gave it (``tokenize_texts``): they
+    are ints from 0, so a request made of it checks only the vocabulary's bound, not each id's
+    type (a third of a long prompt's checks)."""
 # What a pooling request carries where a generation request has its sampling parameters: it is
 # never sampled (the scheduler ends it once its prompt is computed), and it has no text.
 POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind="final_only")
@@ -53,7 +59,7 @@ class InputProcessor:
         strings = [prompts[index] if isinstance(prompts[index], str) else prompts[index]["prompt"] for index in texts]
         tokenized = list(prompts)
         for index, text, token_ids in zip(texts, strings, self._token_ids_of(strings)):
-            tokenized[index] = {"prompt": text, "prompt_token_ids": token_ids}
+            tokenized[index] = TokenizedText(prompt=text, prompt_token_ids=token_ids)
         return tokenized
 
     @property
@@ -195,20 +201,27 @@ class InputProcessor:
         elif not isinstance(token_ids, (list, tuple)):
             raise ValueError(f"request {request_id}: prompt_token_ids must be a list of ints, "
                              f"got {type(token_ids).__name__}")
-        if set(map(type, token_ids)) <= {int}:  # a tokenizer's: checked in C-speed passes
-            token_ids = list(token_ids)
-        else:
-            # Never coerced: 1.5, "3", None or True in a prompt is a bug in the caller.
-            bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
-            if bad:
-                raise ValueError(f"request {request_id}: prompt_token_ids must be ints, got {bad[0]!r}")
-            token_ids = [int(t) for t in token_ids]
+        ours = isinstance(prompt, TokenizedText)  # ints from 0 already
+        if not ours:
+            token_ids = _int_list(request_id, token_ids)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]  # vLLM keeps the prompt's end
-        if self.vocab_size is not None and token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
+        if self.vocab_size is not None and token_ids and (max(token_ids) >= self.vocab_size
+                                                          or (not ours and min(token_ids) < 0)):
             raise ValueError(f"request {request_id}: prompt token ids must be in [0, {self.vocab_size})")
         return EngineCoreRequest(request_id, token_ids, params, prompt=text,
                                  multi_modal_data=prompt.get("multi_modal_data"), cache_salt=prompt.get("cache_salt"))
+
+
+def _int_list(request_id: str, token_ids: list | tuple) -> list[int]:
+    """A prompt's token ids as a list of ints; never coerced: 1.5, "3", None or True in a prompt
+    is a bug in the caller."""
+    if set(map(type, token_ids)) <= {int}:  # a tokenizer's: checked in C-speed passes
+        return list(token_ids)
+    bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if bad:
+        raise ValueError(f"request {request_id}: prompt_token_ids must be ints, got {bad[0]!r}")
+    return [int(t) for t in token_ids]
 
 
 def second_text_start(request_id: str, token_types: Any, token_ids: Any, num_prompt_tokens: int) -> int | None:
