@@ -11,9 +11,23 @@ from pathlib import Path
 
 import torch
 
-HBM_BYTES_PER_S = 4.3e12  # H200 HBM3e bandwidth: the physical limit's denominator (benchmarks/README.md)
-BF16_FLOP_PER_S = 790e12  # H200 dense bf16 tensor-core rate: the prefill part of the limit (benchmarks/README.md)
-FP8_FLOP_PER_S = 2 * BF16_FLOP_PER_S  # dense e4m3 rate: 2x bf16, as on the H200 datasheet (1979 vs 989 TFLOP/s)
+# The physical limits' rates by GPU (benchmarks/README.md): HBM bytes/s and dense bf16 FLOP/s as
+# reached in practice, about 90% and 80% of the datasheet's, as measured on an H200 (4.3 of 4.8
+# TB/s, 790 of 989 TFLOP/s). Matched against the device's name, first match; another card takes
+# the H200's unless HOOKLLM_BENCH_HBM_BYTES_PER_S / HOOKLLM_BENCH_BF16_FLOP_PER_S give its own.
+GPU_RATES = {"H200": (4.3e12, 790e12), "H100 PCIe": (1.8e12, 605e12), "H100": (3.0e12, 790e12),
+             "A100": (1.8e12, 250e12)}
+
+
+def gpu_rates(name: str) -> tuple[float, float]:
+    """(HBM bytes/s, dense bf16 FLOP/s) for the GPU called ``name``."""
+    hbm, bf16 = next((rates for card, rates in GPU_RATES.items() if card in name), GPU_RATES["H200"])
+    return (float(os.environ.get("HOOKLLM_BENCH_HBM_BYTES_PER_S", hbm)),
+            float(os.environ.get("HOOKLLM_BENCH_BF16_FLOP_PER_S", bf16)))
+
+
+HBM_BYTES_PER_S, BF16_FLOP_PER_S = gpu_rates(torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+FP8_FLOP_PER_S = 2 * BF16_FLOP_PER_S  # dense e4m3 rate: 2x bf16, as on the Hopper datasheets (1979 vs 989 TFLOP/s)
 
 SHAPES = {
     "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,

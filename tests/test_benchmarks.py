@@ -73,10 +73,10 @@ def test_sliding_layers_read_at_most_their_window_of_each_context(throughput):
     assert throughput.kv_bytes_read(config, [[0, 0]], [3]) == per_token * (9 + 8)
 
 
-def test_physical_limit_reproduces_the_recorded_decode_limits(throughput):
+def test_physical_limit_reproduces_the_recorded_decode_limits(throughput, monkeypatch):
     from argparse import Namespace
 
-    checked = 0
+    checked, h200 = 0, (throughput.HBM_BYTES_PER_S, throughput.BF16_FLOP_PER_S)  # the tests run without a GPU
     for path in BENCHMARKS.glob("results/throughput-*.json"):
         run = json.loads(path.read_text())
         if "physical_limit_inputs" not in run or run.get("workload_name", "a") != "a":
@@ -88,6 +88,9 @@ def test_physical_limit_reproduces_the_recorded_decode_limits(throughput):
         requests = run["results"]["hookllm"]["num_requests"] // n
         prompts, max_tokens = throughput.completions_of(*throughput.workload_a(requests), Namespace(n=n))
         inputs = run["physical_limit_inputs"]
+        # The rates of the run's card (the first runs, all on an H200, did not record them).
+        monkeypatch.setattr(throughput, "HBM_BYTES_PER_S", inputs.get("hbm_bytes_per_s", h200[0]))
+        monkeypatch.setattr(throughput, "BF16_FLOP_PER_S", inputs.get("bf16_flop_per_s", h200[1]))
         limit = throughput.physical_limit(throughput.SHAPES[run["model"]], prompts, max_tokens,
                                           inputs.get("checkpoint_weight_bytes", inputs["weight_bytes"]), max_batch=256,
                                           quantization=run.get("quantization"),
@@ -207,3 +210,14 @@ def test_pooling_profile_times_the_engine_parts_of_one_call(tmp_path):
     # Every part runs inside the call (the tokenizer's thread aside: 40 texts are one batch, tokenized in line).
     assert sum(parts.values()) < profiled["wall_s"]
     assert profiled["gpu_busy_s"] == 0 and profiled["top_kernels_s"] == {}  # on the CPU: no CUDA kernels
+
+
+def test_each_gpu_gets_its_own_rates_unless_the_environment_names_them(monkeypatch):
+    common = load_benchmark("common")
+    assert common.gpu_rates("NVIDIA H200") == (4.3e12, 790e12)
+    assert common.gpu_rates("NVIDIA H100 80GB HBM3") == (3.0e12, 790e12)
+    assert common.gpu_rates("NVIDIA H100 PCIe") == (1.8e12, 605e12)
+    assert common.gpu_rates("NVIDIA L4") == (4.3e12, 790e12)  # unknown: the H200's
+    monkeypatch.setenv("HOOKLLM_BENCH_HBM_BYTES_PER_S", "3e11")
+    monkeypatch.setenv("HOOKLLM_BENCH_BF16_FLOP_PER_S", "1.2e14")
+    assert common.gpu_rates("NVIDIA L4") == (3e11, 1.2e14)
