@@ -20,15 +20,15 @@ from hookllm.sampling_params import SamplingParams
 from hookllm.engine.core_request import EngineCoreRequest
 
 PROMPT_FIELDS = frozenset(("prompt", "prompt_token_ids", "multi_modal_data", "cache_salt", "token_type_ids"))
+# What a pooling request carries where a generation request has its sampling parameters: it is
+# never sampled (the scheduler ends it once its prompt is computed), and it has no text.
+POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind="final_only")
 
 
 class TokenizedText(dict):
     """A text prompt with the ids the engine's own tokenizer gave it (``tokenize_texts``): they
     are ints from 0, so a request made of it checks only the vocabulary's bound, not each id's
     type (a third of a long prompt's checks)."""
-# What a pooling request carries where a generation request has its sampling parameters: it is
-# never sampled (the scheduler ends it once its prompt is computed), and it has no text.
-POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind="final_only")
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:
