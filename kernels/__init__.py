@@ -4,7 +4,9 @@
 ``paged_attention``: ``"torch"`` is :mod:`hookllm.kernels.reference`, ``"triton"`` the Triton
 kernels, and ``"auto"`` picks Triton on CUDA and torch elsewhere. ``ops_for(tensor)`` returns
 the module with ``rms_norm``, ``apply_rotary``, ``silu_and_mul``, ``filter_thresholds``,
-``sample_with_hashed_noise``, ``token_logprobs``, ``apply_token_bitmask``, ``apply_penalties`` and the FP8 ``quantize_fp8`` / ``scaled_matmul`` for that tensor's device: the Triton kernels on CUDA, their torch
+``sample_with_hashed_noise``, ``token_logprobs``, ``apply_token_bitmask``, ``apply_penalties``, the FP8
+``quantize_fp8`` / ``scaled_matmul`` and the multi-LoRA ``lora_shrink`` / ``lora_expand``
+(:mod:`hookllm.kernels.triton_lora`) for that tensor's device: the Triton kernels on CUDA, their torch
 references elsewhere. :mod:`hookllm.kernels.triton_moe` holds the mixture-of-experts kernels
 (``fused_moe``; its ``route`` and ``moe_align`` are the reference's, torch on every device), twins
 of the reference's functions of those names.
@@ -72,9 +74,9 @@ def triton_variant_keys() -> set[tuple[str, str]]:
     multiples of 16, constexprs)."""
     from triton.runtime.jit import JITFunction
 
-    from hookllm.kernels import triton_all_reduce, triton_attention, triton_fp8, triton_moe, triton_ops
+    from hookllm.kernels import triton_all_reduce, triton_attention, triton_fp8, triton_lora, triton_moe, triton_ops
 
-    kernels = [fn for module in (triton_attention, triton_ops, triton_moe, triton_fp8, triton_all_reduce)
+    kernels = [fn for module in (triton_attention, triton_ops, triton_moe, triton_fp8, triton_all_reduce, triton_lora)
                for fn in vars(module).values()
                if isinstance(fn, JITFunction)]
     # device_caches: per device, (kernel cache by specialization key, ...).

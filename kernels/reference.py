@@ -596,3 +596,47 @@ def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
+
+
+# Multi-LoRA (hookllm.kernels.triton_lora): a batch's tokens use up to L adapter slots at once.
+# ``token_order`` lists the token indices grouped by slot: slot l's tokens are
+# ``token_order[slot_starts[l] : slot_starts[l] + slot_counts[l]]``; tokens in no slot's range
+# (base-model rows, CUDA-graph padding) are never read or written.
+
+
+def _slot_tokens(token_order: torch.Tensor, slot_starts: torch.Tensor,
+                 slot_counts: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(slot, its token indices) of each slot with tokens."""
+    return [(slot, token_order[start:start + count].long())
+            for slot, (start, count) in enumerate(zip(slot_starts.tolist(), slot_counts.tolist())) if count]
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_order: torch.Tensor, slot_starts: torch.Tensor,
+                slot_counts: torch.Tensor) -> torch.Tensor:
+    """``x[t] @ lora_a[l].T`` in float32 for each token ``t`` of slot ``l``, as ``[P, T, N]`` partial
+    sums to be summed over dim 0 (here P = 1; rows of tokens in no slot hold anything).
+
+    ``x`` ``[T, K]``; ``lora_a`` ``[L, N, K]`` in ``x``'s dtype, ``N = slices * R``: each slice's A
+    (rank R, zero-padded) stacked on dim 1."""
+    out = torch.zeros((1, x.shape[0], lora_a.shape[1]), dtype=torch.float32, device=x.device)
+    for slot, tokens in _slot_tokens(token_order, slot_starts, slot_counts):
+        out[0, tokens] = x[tokens].float() @ lora_a[slot].float().T
+    return out
+
+
+def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, slice_starts: tuple[int, ...],
+                token_order: torch.Tensor, slot_starts: torch.Tensor, slot_counts: torch.Tensor) -> None:
+    """Add each slot's delta into ``y`` ``[T, OUT]`` in place: for each token ``t`` of slot ``l`` and
+    slice ``i``, ``y[t, cols_i] += shrunk[:, t, i*R:(i+1)*R].sum(0) @ lora_b[l, cols_i].T``, in float32,
+    rounded to ``y``'s dtype once; other rows untouched.
+
+    ``shrunk``: ``lora_shrink``'s partials ``[P, T, N]``; ``lora_b`` ``[L, OUT, R]`` in ``y``'s dtype
+    (the adapter's scaling folded in); ``slice_starts`` ``(0, s1, ..., OUT)``: output columns
+    ``cols_i = [slice_starts[i], slice_starts[i+1])`` read shrunk columns ``[i*R, (i+1)*R)``."""
+    rank = lora_b.shape[2]
+    hidden = shrunk.sum(dim=0)
+    slices = list(zip(slice_starts, slice_starts[1:]))
+    for slot, tokens in _slot_tokens(token_order, slot_starts, slot_counts):
+        delta = torch.cat([hidden[tokens, i * rank:(i + 1) * rank] @ lora_b[slot, start:end].float().T
+                           for i, (start, end) in enumerate(slices)], dim=1)
+        y[tokens] = (y[tokens].float() + delta).to(y.dtype)

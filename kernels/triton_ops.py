@@ -38,6 +38,7 @@ import triton.language as tl
 
 from hookllm.kernels.triton_attention import num_sms
 from hookllm.kernels.triton_fp8 import quantize_fp8, scaled_matmul  # noqa: F401 - ops_for serves them too
+from hookllm.kernels.triton_lora import lora_expand, lora_shrink  # noqa: F401 - ops_for serves them too
 
 BLOCK = 2048
 # The sampling kernel cuts rows into column ranges until about this many programs run per SM,

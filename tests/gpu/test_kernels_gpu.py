@@ -282,3 +282,69 @@ def test_silu_and_mul_in_bf16():
 
     gate_up = torch.randn(256, 2 * 8192, device=DEVICE).to(BF16)
     torch.testing.assert_close(triton_ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), atol=1e-2, rtol=1e-2)
+
+
+def lora_batch(rows: int, k: int, widths: tuple[int, ...], slots: int = 8, rank: int = 16, seed: int = 0) -> dict:
+    """Random bf16 activations and adapters; every fourth token in no slot, the others dealt over all
+    slots but the last (left empty), grouped by slot in shuffled order."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    slice_starts = tuple(sum(widths[:i]) for i in range(len(widths) + 1))
+    tokens = torch.randperm(rows, device=DEVICE, generator=gen)
+    adapted = tokens[tokens % 4 != 3]
+    slot_of = torch.randint(0, slots - 1, (len(adapted),), device=DEVICE, generator=gen)
+    order = adapted[torch.argsort(slot_of, stable=True)].to(torch.int32)
+    counts = torch.bincount(slot_of, minlength=slots).to(torch.int32)
+    return dict(
+        x=torch.randn(rows, k, device=DEVICE, generator=gen).to(BF16),
+        lora_a=(k ** -0.5 * torch.randn(slots, len(widths) * rank, k, device=DEVICE, generator=gen)).to(BF16),
+        lora_b=(rank ** -0.5 * torch.randn(slots, slice_starts[-1], rank, device=DEVICE, generator=gen)).to(BF16),
+        y=torch.randn(rows, slice_starts[-1], device=DEVICE, generator=gen).to(BF16),
+        slice_starts=slice_starts,
+        grouping=(order, (torch.cumsum(counts, 0) - counts).to(torch.int32), counts),
+        base_rows=torch.arange(3, rows, 4, device=DEVICE),
+    )
+
+
+def lora_reference(batch: dict) -> torch.Tensor:
+    """y plus each token's delta, all in float32."""
+    want = batch["y"].float()
+    shrunk = reference.lora_shrink(batch["x"].float(), batch["lora_a"].float(), *batch["grouping"])
+    reference.lora_expand(want, shrunk, batch["lora_b"].float(), batch["slice_starts"], *batch["grouping"])
+    return want
+
+
+@pytest.mark.parametrize("rows", [1, 64, 256])
+@pytest.mark.parametrize("k, widths", [(2048, (2048, 512, 512)), (2048, (2048,)), (2048, (8192, 8192)),
+                                       (8192, (2048,))], ids=["qkv", "o", "gate_up", "down"])
+def test_lora_shrink_then_expand_at_llama_1b_shapes_in_bf16(rows, k, widths):
+    from hookllm.kernels import triton_lora
+
+    batch = lora_batch(rows, k, widths)
+    got = batch["y"].clone()
+    shrunk = triton_lora.lora_shrink(batch["x"], batch["lora_a"], *batch["grouping"])
+    triton_lora.lora_expand(got, shrunk, batch["lora_b"], batch["slice_starts"], *batch["grouping"])
+    base = batch["base_rows"]
+    assert torch.equal(got[base], batch["y"][base])
+    torch.testing.assert_close(got.float(), lora_reference(batch), atol=1e-2, rtol=1e-2)  # one bf16 ulp
+
+
+def test_lora_kernels_replay_in_a_cuda_graph_with_other_slot_counts():
+    """The grids depend on the shapes only: a graph captured for one grouping of the tokens serves
+    another written into the same tensors, and one where no token has an adapter."""
+    from hookllm.kernels import triton_lora
+
+    first, second = (lora_batch(64, 2048, (2048, 512, 512), seed=seed) for seed in (1, 2))
+    order, starts, counts = first["grouping"]
+    order = torch.cat([order, torch.zeros(64 - len(order), dtype=torch.int32, device=DEVICE)])
+    y = first["y"].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        shrunk = triton_lora.lora_shrink(first["x"], first["lora_a"], order, starts, counts)
+        triton_lora.lora_expand(y, shrunk, first["lora_b"], first["slice_starts"], order, starts, counts)
+    for grouping in (second["grouping"], (order, starts, torch.zeros_like(counts))):
+        y.copy_(first["y"])
+        order[:len(grouping[0])].copy_(grouping[0])
+        starts.copy_(grouping[1])
+        counts.copy_(grouping[2])
+        graph.replay()
+        torch.testing.assert_close(y.float(), lora_reference(dict(first, grouping=grouping)), atol=1e-2, rtol=1e-2)
