@@ -285,6 +285,14 @@ class EngineConfig:
                                choices=list(LOAD_FORMATS))
     preemption_mode: str = _option("recompute", "a preempted request is recomputed, or swapped: its KV blocks "
                                    "wait in host memory and come back as they were", choices=list(PREEMPTION_MODES))
+    enable_lora: bool = _option(False, "serve LoRA adapters (PEFT folders) over the base model, many in one batch: "
+                                "a request names its adapter (LLM.generate's lora_request, the server's model)")
+    max_loras: int = _option(1, "LoRA: most adapters in one batch (the device slots); a request whose adapter has "
+                             "no slot waits")
+    max_lora_rank: int = _option(16, "LoRA: largest adapter rank served (slots are this wide: smaller ranks are "
+                                 "zero-padded)")
+    max_cpu_loras: int | None = _option(None, "LoRA: adapters kept in host memory for quick swap-in, least recently "
+                                        "used out (default: max_loras)")
     swap_space: float = _option(4.0, "GiB of host memory (pinned on CUDA) per worker for swapped KV blocks "
                                 "(preemption_mode=swap)")
 
@@ -326,6 +334,13 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_loras must be >= 1 and max_lora_rank in [1, 512], got {self.max_loras} and "
+                             f"{self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):

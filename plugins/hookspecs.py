@@ -295,6 +295,25 @@ def preprocess_request(request: EngineCoreRequest, context: EngineContext) -> No
     """
 
 
+@hookspec(runs_in="frontend", scope="active", stage="request intake", firstresult=True)
+def resolve_lora_adapter(lora_name: str, context: EngineContext) -> str | None:
+    """Find the LoRA adapter a request names when no ``--lora-modules`` entry and no runtime load
+    gave it: return the path of its PEFT folder (``adapter_config.json`` and
+    ``adapter_model.safetensors``), or None to pass (vLLM's LoRA resolvers).
+
+    The server asks this hook when a request's ``model`` is neither the served model nor a
+    known adapter, with ``--enable-lora`` on; the first path returned is checked against the
+    base model and registered under ``lora_name`` (later requests find it without asking), and
+    when no plugin knows the name the request is a 404 naming it. An adapter store (a folder
+    tree, a hub cache, an object store synced to local disk) is a plugin of a few lines::
+
+        @hookimpl
+        def resolve_lora_adapter(lora_name):
+            folder = Path("/srv/adapters") / lora_name
+            return str(folder) if (folder / "adapter_config.json").is_file() else None
+    """
+
+
 # --- each step, in every worker ----------------------------------------------------------------
 
 

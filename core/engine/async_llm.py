@@ -28,6 +28,7 @@ from hookllm.config import EngineConfig
 from hookllm.engine.llm_engine import LLMEngine
 from hookllm.engine.core_client import EngineClient, EngineThread, start_engines
 from hookllm.engine.dp_client import DataParallelClient
+from hookllm.lora.request import LoRARequest
 from hookllm.engine.messages import (AbortRequests, AddRequest, EngineReport, OutputDelta, OutputStream, PooledOutput,
                                      merge_deltas, rebuild_error, unpack_pooled)
 from hookllm.inputs import PromptType
@@ -169,17 +170,18 @@ class AsyncLLM:
         return render_chat(self, conversation, **kwargs)
 
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str | None = None
+        self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its outputs as they come, each holding only what is new
-        (several steps' worth when the consumer fell behind).
+        """Queue a request (run with ``lora_request``'s adapter, if any) and yield its outputs as
+        they come, each holding only what is new (several steps' worth when the consumer fell behind).
 
         ``ValueError`` from ``add_request`` (bad input) is raised here before anything is yielded.
         Closing or cancelling the iterator before the request finishes aborts it at once.
         """
         request_id = request_id or f"async-{next(self._ids)}"
         # Deltas never take text back: the engine holds back what a stop string may still cut.
-        stream, added = self._add(request_id, prompt, dataclasses.replace(params, output_kind="delta"))
+        stream, added = self._add(request_id, prompt, dataclasses.replace(params, output_kind="delta"), lora_request)
         finished = False
         try:
             await asyncio.wrap_future(added)
@@ -204,12 +206,12 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
-    async def encode(self, prompt: PromptType, params: PoolingParams,
-                     request_id: str | None = None) -> PoolingRequestOutput:
+    async def encode(self, prompt: PromptType, params: PoolingParams, request_id: str | None = None,
+                     lora_request: LoRARequest | None = None) -> PoolingRequestOutput:
         """Run a pooling request (the pooling runner's) and return its output. ``ValueError`` for
         bad input; cancelling the call aborts the request."""
         request_id = request_id or f"async-{next(self._ids)}"
-        stream, added = self._add(request_id, prompt, params)
+        stream, added = self._add(request_id, prompt, params, lora_request)
         finished = False
         try:
             await asyncio.wrap_future(added)
@@ -224,8 +226,8 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
-    def _add(self, request_id: str, prompt: PromptType,
-             params: SamplingParams | PoolingParams) -> tuple[_Stream, concurrent.futures.Future]:
+    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
+             lora_request: LoRARequest | None = None) -> tuple[_Stream, concurrent.futures.Future]:
         """Open the request's stream and send it to the engine; the future resolves once the
         engine took it (or refused it)."""
         stream = _Stream(asyncio.get_running_loop(), self.token_texts)
@@ -237,7 +239,7 @@ class AsyncLLM:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
             self._adding[request_id] = added
-        self._loop.send(AddRequest(request_id, prompt, params))
+        self._loop.send(AddRequest(request_id, prompt, params, lora_request))
         return stream, added
 
     def abort(self, request_id: str) -> None:

@@ -21,6 +21,7 @@ from hookllm.outputs import RequestOutput
 from hookllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from hookllm.lora.request import LoRARequest
     from hookllm.engine.llm_engine import LLMEngine
 
 
@@ -64,8 +65,10 @@ class _Beam:
     cum_logprob: float
 
 
-def beam_search(engine: "LLMEngine", prompt: Any, params: BeamSearchParams, ids: "itertools.count[int]") -> BeamSearchOutput:
-    """Run one prompt's beam search to the end on ``engine`` (other requests may share the steps)."""
+def beam_search(engine: "LLMEngine", prompt: Any, params: BeamSearchParams, ids: "itertools.count[int]",
+                lora_request: LoRARequest | None = None) -> BeamSearchOutput:
+    """Run one prompt's beam search to the end on ``engine`` (other requests may share the steps),
+    with ``lora_request``'s adapter if given (every beam forks with it)."""
     k = params.beam_width
     if 2 * k > engine.max_logprobs:
         raise ValueError(f"beam_width={k} needs the top {2 * k} logprobs of each step, over the limit of "
@@ -74,7 +77,7 @@ def beam_search(engine: "LLMEngine", prompt: Any, params: BeamSearchParams, ids:
                                  output_kind="final_only")
     eos = set() if params.ignore_eos else engine.eos_token_ids
     root = f"beam-{next(ids)}"
-    engine.add_request(root, prompt, step_params)
+    engine.add_request(root, prompt, step_params, lora_request)
     engine.retain_blocks(root)
     beams = [_Beam(root, [], 0.0)]
     prompt_tokens: list[int] = []

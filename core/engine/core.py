@@ -84,7 +84,8 @@ class EngineCore:
                                    eos_token_ids(model_config, tokenizer), config.preemption_mode,
                                    self.executor.num_host_blocks,
                                    pipeline_depth=config.pipeline_parallel_size,
-                                   chunked_prefill=not model_config.encoder)
+                                   chunked_prefill=not model_config.encoder,
+                                   max_loras=config.max_loras if config.enable_lora else 0)
         # KV-cache events for prefix-aware routers: the block manager records them, each step publishes.
         events_config = config.kv_events_config
         self.kv_event_publisher: KVEventPublisher | None = None
@@ -128,7 +129,7 @@ class EngineCore:
         parent = self.scheduler.retained[parent_id]
         child = EngineCoreRequest(request_id, parent.all_token_ids[:parent.num_computed_tokens] + list(token_ids),
                                   params, multi_modal_data=parent.multi_modal_data, mm_items=parent.mm_items,
-                                  cache_salt=parent.cache_salt)
+                                  cache_salt=parent.cache_salt, lora_request=parent.lora_request)
         child.set_length_limit(max_model_len)
         self.scheduler.fork(parent_id, child)
         return child

@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from hookllm.lora.request import LoRARequest
 from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import SamplingParams
 from hookllm.sched.request import MultiModalItem
@@ -35,6 +36,8 @@ class EngineCoreRequest:
     # A pooling request's settings: it computes its prompt and ends, sampling nothing
     # (``sampling_params`` is then the input processor's stand-in, see POOLING_SAMPLING).
     pooling_params: PoolingParams | None = None
+    # The LoRA adapter the request runs with (None: the base model); checked by the input processor.
+    lora_request: LoRARequest | None = None
 
     def reset_prompt(self, token_ids: list[int]) -> None:
         """Replace the prompt (a plugin's ``preprocess_request`` expanding placeholders)."""

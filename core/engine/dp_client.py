@@ -29,8 +29,11 @@ def least_loaded(stats: Sequence[SchedulerStats], unreported: Sequence[int]) -> 
 
 def total_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
     """One ``SchedulerStats`` for several engines: every count summed (so ``kv_cache_usage`` is
-    the used blocks over all blocks of all engines)."""
-    return SchedulerStats(*(sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(SchedulerStats)))
+    the used blocks over all blocks of all engines), every list of names merged."""
+    def total(values: list) -> object:
+        return sorted(set().union(*values)) if isinstance(values[0], list) else sum(values)
+
+    return SchedulerStats(*(total([getattr(s, f.name) for s in stats]) for f in dataclasses.fields(SchedulerStats)))
 
 
 class DataParallelClient:

@@ -12,8 +12,12 @@ import dataclasses
 import numbers
 from typing import Any
 
+import torch
+
 from hookllm.config import EngineConfig, ModelConfig, text_config_of
 from hookllm.inputs import PromptType
+from hookllm.lora.adapter import load_adapter
+from hookllm.lora.request import LoRARequest
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import SamplingParams
@@ -46,6 +50,7 @@ class InputProcessor:
         # The most logprobs a request may ask for: a step cannot return more than the vocabulary.
         self.max_logprobs = config.max_logprobs if self.vocab_size is None else min(config.max_logprobs,
                                                                                       self.vocab_size)
+        self.checked_loras: dict[int, LoRARequest] = {}  # LoRA adapters checked, by lora_int_id
 
     def tokenize_texts(self, prompts: list[PromptType]) -> list[PromptType]:
         """``prompts`` with each non-empty text prompt (a str, or a dict of ``prompt`` alone)
@@ -78,10 +83,19 @@ class InputProcessor:
             return self.tokenizer(texts)["input_ids"]
         return [encoding.ids for encoding in self.tokenizer.backend_tokenizer.encode_batch_fast(texts)]
 
-    def process(self, request_id: str, prompt: PromptType,
-                params: SamplingParams | PoolingParams | None) -> EngineCoreRequest:
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams | None,
+                lora_request: LoRARequest | None = None) -> EngineCoreRequest:
         """The request for ``prompt``: tokenized, preprocessed by the plugins, its limits checked.
-        ``PoolingParams`` make a pooling request (the pooling runner's), anything else a generation one."""
+        ``PoolingParams`` make a pooling request (the pooling runner's), anything else a generation
+        one; ``lora_request`` names its adapter (checked here, the first time its id is seen)."""
+        request = self._process(request_id, prompt, params)
+        if lora_request is not None:
+            self._check_lora(request_id, lora_request)
+            request.lora_request = lora_request
+        return request
+
+    def _process(self, request_id: str, prompt: PromptType,
+                 params: SamplingParams | PoolingParams | None) -> EngineCoreRequest:
         if not isinstance(request_id, str):
             raise TypeError(
                 f"add_request takes (request_id, prompt, params) in vLLM's order; the request id must be "
@@ -150,6 +164,26 @@ class InputProcessor:
             child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
             children.append(dataclasses.replace(request, request_id=child_id, sampling_params=child_params))
         return children
+
+    def _check_lora(self, request_id: str, lora_request: LoRARequest) -> None:
+        """The adapter is served (``enable_lora``) and fits the base model: its folder is read and
+        checked once per ``lora_int_id``, which must keep naming the same adapter."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"request {request_id}: lora_request must be a hookllm.lora.request.LoRARequest, "
+                             f"got {type(lora_request).__name__}")
+        if not self.config.enable_lora:
+            raise ValueError(f"request {request_id}: LoRA adapter {lora_request.lora_name!r} asked, but this engine "
+                             "serves none (start it with enable_lora=True / --enable-lora)")
+        known = self.checked_loras.get(lora_request.lora_int_id)
+        if known == lora_request:
+            return
+        if known is not None:
+            raise ValueError(f"request {request_id}: lora_int_id {lora_request.lora_int_id} is adapter "
+                             f"{known.lora_name!r} at {known.lora_path}; adapter {lora_request.lora_name!r} at "
+                             f"{lora_request.lora_path} needs an id of its own")
+        served = [self.config.model, getattr(self.model_config.hf_config, "_name_or_path", "")]
+        load_adapter(lora_request, self.model_config.hf_config, self.config.max_lora_rank, torch.float32, served)
+        self.checked_loras[lora_request.lora_int_id] = lora_request
 
     def _check_logprobs(self, request_id: str, params: SamplingParams) -> None:
         """Logprobs beyond ``max_logprobs`` or the vocabulary would fail the whole step: refuse them here."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from hookllm.config import EngineConfig, ModelConfig, resolve_device
 from hookllm.engine.core import EngineCore
 from hookllm.engine.input_processor import InputProcessor
+from hookllm.lora.request import LoRARequest
 from hookllm.engine.output_processor import OutputProcessor
 from hookllm.inputs import PromptType
 from hookllm.outputs import RequestOutput
@@ -98,14 +99,16 @@ class LLMEngine:
         for attr in ("engine_core", "input_processor", "output_processor"):
             self.__dict__.pop(attr, None)
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> str:
-        """Tokenize, let plugins preprocess, check limits, and queue (vLLM's argument order).
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
+        """Tokenize, let plugins preprocess, check limits, and queue (vLLM's argument order),
+        to run with ``lora_request``'s adapter if one is given (``enable_lora``).
 
         Bad input raises ``ValueError`` naming the request; nothing of it stays behind.
         """
         if self.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = self.input_processor.process(request_id, prompt, params)
+        request = self.input_processor.process(request_id, prompt, params, lora_request)
         engine_requests = self.input_processor.fan_out(request)
         if len(engine_requests) > 1:
             taken = [r.request_id for r in engine_requests if self.has_request(r.request_id)]

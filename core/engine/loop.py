@@ -78,7 +78,7 @@ class EngineLoop:
             client, command = received
             if type(command) is AddRequest:
                 try:
-                    self.engine.add_request(command.request_id, command.prompt, command.params)
+                    self.engine.add_request(command.request_id, command.prompt, command.params, command.lora_request)
                     self.owner[command.request_id] = client
                     reports[client].added.append(RequestAdded(command.request_id))
                 except Exception as exc:  # noqa: BLE001 - bad input: the caller's error, sent back to it

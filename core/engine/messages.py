@@ -19,6 +19,7 @@ import torch
 
 from hookllm.outputs import (CompletionOutput, FlatLogprobs, Logprob, PoolingOutput, PoolingRequestOutput,
                              RequestMetrics, RequestOutput)
+from hookllm.lora.request import LoRARequest
 from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import SamplingParams
 from hookllm.sched.scheduler import SchedulerStats
@@ -34,6 +35,7 @@ class AddRequest(msgspec.Struct):
     request_id: str
     prompt: Any
     params: SamplingParams | PoolingParams
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequests(msgspec.Struct):

@@ -16,6 +16,7 @@ from hookllm.entrypoints.scoring import CROSS_ENCODER, pair_scores, pair_texts, 
 from hookllm.config import EngineConfig
 from hookllm.engine.llm_engine import LLMEngine
 from hookllm.inputs import PromptType
+from hookllm.lora.request import LoRARequest
 from hookllm.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
                              ScoringOutput, ScoringRequestOutput)
 from hookllm.pooling_params import PoolingParams
@@ -93,13 +94,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of ``prompts``.
 
         A prompt is a string, a list of int token ids, a :class:`hookllm.inputs.TextPrompt` or
-        :class:`hookllm.inputs.TokensPrompt`. If any prompt is invalid (or adding it raises
-        anything), none of this call's requests run, the error names the bad one, and the
-        engine stays ready for the next call.
+        :class:`hookllm.inputs.TokensPrompt`. ``lora_request``: the LoRA adapter of every prompt,
+        or a list of one per prompt (None: the base model); needs ``enable_lora``. If any prompt
+        is invalid (or adding it raises anything), none of this call's requests run, the error
+        names the bad one, and the engine stays ready for the next call.
         """
         prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -111,10 +114,11 @@ class LLM:
                 raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}")
         # Only the final output is needed here: skip building one every step.
         final = [dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY) for params in sampling_params]
-        return self._run(prompts, final, use_tqdm)
+        return self._run(prompts, final, use_tqdm, loras=_per_prompt(lora_request, len(prompts)))
 
     def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
-               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+               use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+               ) -> list[PoolingRequestOutput]:
         """Pool each prompt's hidden states (the pooling runner: ``LLM(..., runner="pooling")``, or a
         checkpoint with a sentence-transformers pipeline); outputs in the order of ``prompts``.
         The task is ``pooling_params.task``: ``encode`` (the default here) gives every prompt
@@ -125,7 +129,7 @@ class LLM:
         prompts = _prompt_list(prompts)
         if not prompts:
             raise ValueError("prompts is empty: give at least one input")
-        return self._run(prompts, [params] * len(prompts), use_tqdm, "pooling")
+        return self._run(prompts, [params] * len(prompts), use_tqdm, "pooling", _per_prompt(lora_request, len(prompts)))
 
     def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
@@ -161,13 +165,13 @@ class LLM:
                 for output, score, prompt in zip(outputs[-len(seconds):], pair_scores(outputs, method), tokens)]
 
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams | PoolingParams],
-                      request_ids: list[str]) -> None:
+                      loras: list[LoRARequest | None], request_ids: list[str]) -> None:
         """Queue ``prompts`` (their texts tokenized already, or by the input processor as each
         request is made), appending their request ids; a refused prompt's error names its index
         in the call."""
-        for prompt, request_params in zip(prompts, params):
+        for prompt, request_params, lora in zip(prompts, params, loras):
             try:
-                request_ids.append(self.engine.add_request(self._next_request_id(), prompt, request_params))
+                request_ids.append(self.engine.add_request(self._next_request_id(), prompt, request_params, lora))
             except ValueError as exc:
                 raise ValueError(f"prompt {len(request_ids)}: {exc}") from exc
 
@@ -181,6 +185,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation (or a list of them) and generate.
 
@@ -192,14 +197,16 @@ class LLM:
         prompts = [render_chat(self.engine, conversation, chat_template, add_generation_prompt,
                                continue_final_message, tools, chat_template_kwargs)
                    for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
         """Beam search per prompt (vLLM's offline API): each output's ``sequences`` are the
-        ``beam_width`` best beams, best first; beams fork on shared KV blocks."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return [beam_search(self.engine, prompt, params, self._request_counter) for prompt in prompts]
+        ``beam_width`` best beams, best first; beams fork on shared KV blocks. ``lora_request`` as
+        ``generate``'s."""
+        prompts = _prompt_list(prompts)
+        return [beam_search(self.engine, prompt, params, self._request_counter, lora)
+                for prompt, lora in zip(prompts, _per_prompt(lora_request, len(prompts)))]
 
     def _next_request_id(self) -> str:
         """A fresh id: never one a user gave the engine directly (those are skipped)."""
@@ -209,7 +216,7 @@ class LLM:
                 return request_id
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams | PoolingParams], use_tqdm: bool,
-             activity: str = "generating") -> list[RequestOutput]:
+             activity: str = "generating", loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Queue one request per prompt and step the engine until each has finished; the outputs
         in the order of ``prompts``.
 
@@ -241,7 +248,8 @@ class LLM:
                     if tokenizer_thread is not None and start + batch < len(prompts):
                         next_batch = tokenizer_thread.submit(processor.tokenize_texts,
                                                              prompts[start + batch:start + 2 * batch])
-                    self._add_requests(tokenized, params[start:start + batch], request_ids)
+                    self._add_requests(tokenized, params[start:start + batch],
+                                       loras[start:start + batch] if loras else [None] * len(tokenized), request_ids)
                     wanted.update(request_ids[start:])
                 if not self.engine.has_unfinished_requests():
                     break
@@ -268,6 +276,17 @@ def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]
     if not isinstance(prompts, (list, tuple)):
         raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
     return list(prompts)
+
+
+def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                num_prompts: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt, from one for all or a list of one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"got {num_prompts} prompts but {len(loras)} lora_requests")
+    return loras
 
 
 def _apply_to_model(func: Callable[[Any], Any], worker: Any) -> Any:

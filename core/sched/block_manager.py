@@ -42,9 +42,13 @@ def _string(text: str) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
 
-def _root_hash(cache_salt: str | None) -> bytes:
-    """What a request's first block chains from: requests with different salts share no block."""
-    return hashlib.sha256(b"\x00" if cache_salt is None else b"\x01" + _string(cache_salt)).digest()
+def _root_hash(cache_salt: str | None, lora_int_id: int | None = None) -> bytes:
+    """What a request's first block chains from: requests with different salts, or different
+    LoRA adapters (whose K/V differ for the same tokens), share no block."""
+    message = b"\x00" if cache_salt is None else b"\x01" + _string(cache_salt)
+    if lora_int_id is not None:
+        message += b"\x03" + struct.pack("<q", lora_int_id)
+    return hashlib.sha256(message).digest()
 
 
 def _block_hash(parent: bytes, token_ids: Sequence[int], images: list[tuple[str, int]]) -> bytes:
@@ -178,7 +182,8 @@ class BlockManager:
         """The SHA-256 digests of the request's first ``num_blocks`` full blocks (extended lazily).
 
         Block i's digest is sha256 of: byte 0x02, block i-1's digest (for block 0, the root:
-        sha256 of byte 0x00 without a cache salt, or of byte 0x01 and the salt), the token count
+        sha256 of byte 0x00 without a cache salt, or of byte 0x01 and the salt; then, for a request
+        with a LoRA adapter, byte 0x03 and its ``lora_int_id``), the token count
         and the token ids, the count of images whose placeholder rows overlap the block, and for
         each, in ``mm_items`` order, its ``content_hash`` and its offset from the block's start
         (negative if it began in an earlier block). Integers are little-endian 8-byte (counts
@@ -192,7 +197,8 @@ class BlockManager:
             # Image rows share one placeholder id: the image's content hash tells them apart.
             images = [(item.content_hash, item.offset - start) for item in request.mm_items
                       if item.offset < end and item.offset + item.length > start]
-            parent = hashes[-1] if hashes else _root_hash(request.cache_salt)
+            parent = hashes[-1] if hashes else _root_hash(
+                request.cache_salt, None if request.lora_request is None else request.lora_request.lora_int_id)
             hashes.append(_block_hash(parent, tokens[start:end], images))
         return hashes[:num_blocks]
 
@@ -255,7 +261,8 @@ class BlockManager:
                     if self.kv_events is not None:
                         tokens = request.all_token_ids[index * self.block_size:(index + 1) * self.block_size]
                         parent = hashes[index - 1] if index else None
-                        self.kv_events.append(block_stored(block_hash, parent, tokens, self.block_size, group))
+                        self.kv_events.append(block_stored(block_hash, parent, tokens, self.block_size, group,
+                                                                request.lora_request))
         request.num_registered_blocks = full
 
     def reset_prefix_cache(self) -> None:

@@ -20,7 +20,8 @@ What hookllm fills, and how:
 - ``parent_block_hash``: the previous block's digest; None for a prompt's first block (its
   digest chains the request's ``cache_salt`` instead), as in vLLM.
 - ``token_ids``: the block's ``block_size`` token ids. ``block_size``: the engine's.
-- ``lora_id``, ``lora_name``: None (hookllm serves no LoRA). ``medium``: ``"GPU"``, vLLM's name
+- ``lora_id``, ``lora_name``: the request's LoRA adapter's ``lora_int_id`` and name (None without
+  one); its first block's digest chains the adapter too. ``medium``: ``"GPU"``, vLLM's name
   for the engine's own KV cache, on a CPU device too.
 - ``extra_keys``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``: None.
   ``group_idx``: the KV cache group (``hookllm.worker.kv_cache_groups``; 0 for a model whose
@@ -41,6 +42,8 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 import msgspec
+
+from hookllm.lora.request import LoRARequest
 
 # vLLM's ExternalBlockHash: a hash as bytes (hookllm's SHA-256 digests) or an int.
 BlockHash = Union[bytes, int]
@@ -83,10 +86,11 @@ class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 def block_stored(block_hash: bytes, parent_hash: bytes | None, token_ids: list[int], block_size: int,
-                 group: int) -> BlockStored:
-    """The event of one block entering the prefix cache."""
-    return BlockStored([block_hash], parent_hash, token_ids, block_size, lora_id=None, medium=MEDIUM_GPU,
-                       lora_name=None, group_idx=group)
+                 group: int, lora_request: LoRARequest | None = None) -> BlockStored:
+    """The event of one block entering the prefix cache (of a request with ``lora_request``'s adapter)."""
+    lora_id, lora_name = (None, None) if lora_request is None else (lora_request.lora_int_id, lora_request.lora_name)
+    return BlockStored([block_hash], parent_hash, token_ids, block_size, lora_id=lora_id, medium=MEDIUM_GPU,
+                       lora_name=lora_name, group_idx=group)
 
 
 def block_removed(block_hash: bytes, group: int) -> BlockRemoved:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hookllm.sched.request import MultiModalItem
+from hookllm.lora.request import LoRARequest
 from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import SamplingParams
 
@@ -27,6 +28,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     mm_items: list[MultiModalItem] = field(default_factory=list)
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hookllm.lora.request import LoRARequest
 from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import SamplingParams
 
@@ -54,6 +55,7 @@ class Request:
     # Prompt plus max_tokens, capped by max_model_len (EngineCoreRequest.set_length_limit).
     max_num_tokens: int = sys.maxsize
     pooling_params: PoolingParams | None = None  # a pooling request: it ends once its prompt is computed
+    lora_request: LoRARequest | None = None  # its adapter: keyed into its blocks' hashes, one of max_loras
 
     def __post_init__(self) -> None:
         self.output_token_ids: list[int] = []
@@ -83,7 +85,7 @@ class Request:
         """The scheduling state of an engine request, before its first step."""
         c = core_request
         return cls(c.request_id, c.prompt_token_ids, c.sampling_params, c.prompt, c.multi_modal_data,
-                   c.mm_items, c.cache_salt, c.max_num_tokens, c.pooling_params)
+                   c.mm_items, c.cache_salt, c.max_num_tokens, c.pooling_params, c.lora_request)
 
     @property
     def num_prompt_tokens(self) -> int:

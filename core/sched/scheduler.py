@@ -18,7 +18,7 @@ and never write them. A step's batch leaves as a plain :class:`SchedulerOutput`.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hookllm.sched.block_manager import BlockManager, HostBlockAllocator
@@ -39,6 +39,9 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_swapped_reqs: int = 0
+    # LoRA adapters (names) of the running and of the waiting requests (vLLM's lora_requests_info).
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -49,8 +52,11 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_ids: set[int] | frozenset[int] = frozenset(), preemption_mode: str = "recompute",
-                 num_host_blocks: int = 0, pipeline_depth: int = 1, chunked_prefill: bool = True):
+                 num_host_blocks: int = 0, pipeline_depth: int = 1, chunked_prefill: bool = True,
+                 max_loras: int = 0):
         self.block_manager = block_manager
+        # LoRA: most adapters the running requests may use at once (the worker's slots; 0: no LoRA).
+        self.max_loras = max_loras
         # Off for encoders: bidirectional attention needs a prompt's every key in its one step.
         self.chunked_prefill = chunked_prefill
         # Pipeline stages keep ``pipeline_depth`` batches in flight, each of other requests
@@ -126,9 +132,13 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         manager = self.block_manager
-        return SchedulerStats(len(self.running), len(self.waiting),
-                              manager.num_blocks - manager.num_free_blocks, manager.num_blocks,
-                              self.prefix_cache_queries, self.prefix_cache_hits, len(self.swapped))
+        stats = SchedulerStats(len(self.running), len(self.waiting),
+                               manager.num_blocks - manager.num_free_blocks, manager.num_blocks,
+                               self.prefix_cache_queries, self.prefix_cache_hits, len(self.swapped))
+        if self.max_loras:
+            stats.running_lora_adapters = _adapter_names(self.running)
+            stats.waiting_lora_adapters = _adapter_names([*self.waiting, *self.swapped])
+        return stats
 
     def fork(self, parent_id: str, core_request: EngineCoreRequest) -> None:
         """Queue ``core_request``, which continues the retained request ``parent_id``'s computed
@@ -182,13 +192,17 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
+        # The adapters of the running requests: a request whose adapter is not among them needs a slot.
+        active_loras = ({r.lora_request.lora_int_id for r in running if r.lora_request is not None}
+                        if self.max_loras else set())
+
         # Admitting or resuming work right after a preemption would only thrash the cache. It also
         # means a swapped request resumes at least one step after it was swapped out, so (async
         # scheduling) the token its last step sampled has been read back by then.
         while (not preempted and self.swapped and budget > 0 and len(self.running) < self.max_num_seqs
                and len(scheduled) < limit):
             request = self.swapped[0]
-            if self._awaits_token(request):
+            if self._awaits_token(request) or not self._has_lora_slot(request, active_loras):
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.block_manager.allocate_slots(request, num_new):
@@ -201,11 +215,15 @@ class Scheduler:
             self._start_running(self.swapped, num_new, scheduled, counts)
             budget -= num_new
 
+        skipped: list[Request] = []  # waiting for a LoRA slot: later requests may go first
         while (not preempted and not self.swapped and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs and len(scheduled) < limit):
             request = self.waiting[0]
             if self._awaits_token(request):
                 break  # preempted while a step in flight samples its token: it resumes once that is back
+            if not self._has_lora_slot(request, active_loras):
+                skipped.append(self.waiting.popleft())
+                continue
             # A request holding no blocks starts from its longest cached prefix (a fork holds its parent's),
             # unless it asks for prompt logprobs: those read the hidden states of the tokens it computes (as
             # pooling requests do: a pooling engine has no prefix cache).
@@ -226,6 +244,7 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             self._start_running(self.waiting, num_new, scheduled, counts)
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
         return self._commit_step(scheduled, counts, preempted, swap_out, swap_in)
 
     def _batch_size_limit(self) -> int:
@@ -235,6 +254,17 @@ class Scheduler:
             return self.max_num_seqs
         unfinished = len(self.running) + len(self.waiting) + len(self.swapped)
         return max(1, -(-unfinished // self.pipeline_depth))
+
+    def _has_lora_slot(self, request: Request, active_loras: set[int]) -> bool:
+        """Whether the request's adapter (if any) runs already or can take a slot; if so it is
+        counted in ``active_loras``."""
+        lora = request.lora_request
+        if lora is None or lora.lora_int_id in active_loras:
+            return True
+        if len(active_loras) >= self.max_loras:
+            return False
+        active_loras.add(lora.lora_int_id)
+        return True
 
     def _awaits_token(self, request: Request) -> bool:
         return self.await_sampled_tokens and request.num_output_placeholders > 0
@@ -258,7 +288,8 @@ class Scheduler:
         for row, (request, count) in enumerate(zip(scheduled, counts)):
             if request.num_synced_tokens == 0:
                 new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
-                                                   request.sampling_params, request.mm_items, request.pooling_params))
+                                                   request.sampling_params, request.mm_items, request.pooling_params,
+                                                   request.lora_request))
                 request.num_synced_tokens = request.num_prompt_tokens
             known = request.all_token_ids
             new_token_ids.append(known[request.num_synced_tokens:])
@@ -377,3 +408,8 @@ class Scheduler:
             self.block_manager.free(request)
         if request.num_synced_tokens:
             self.finished_request_ids.append(request_id)
+
+
+def _adapter_names(requests: list[Request]) -> list[str]:
+    """The distinct LoRA adapter names of ``requests``, sorted."""
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})

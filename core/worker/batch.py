@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from hookllm.sched.request import MultiModalItem
+from hookllm.lora.request import LoRARequest
 from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import SamplingParams
 
@@ -33,6 +34,7 @@ class CachedRequestState:
     mm_items: list[MultiModalItem] = field(default_factory=list)
     num_computed_tokens: int = 0  # before the current step
     pooling_params: PoolingParams | None = None  # a pooling request's (it samples nothing)
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
     @cached_property
     def sampler_row(self) -> tuple[float, int, float, float, float]:

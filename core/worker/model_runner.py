@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from hookllm.kernels import ops_for
+from hookllm.lora.manager import LoRAManager
 from hookllm.multimodal.encoder_cache import EncoderRunner
 from hookllm.plugins.contract import capability, is_multimodal
 from hookllm.worker.batch import Batch, LogitsJob, CachedRequestState
@@ -226,6 +227,7 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.cuda_graphs: CudaGraphRunner | None = None  # set by the worker unless enforce_eager
         self.stage: PipelineStage | None = None  # set by the worker under pipeline parallelism
+        self.lora: LoRAManager | None = None  # set by the worker with enable_lora
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = input_batch  # the rows of the requests the runner has run and may run next
@@ -260,7 +262,7 @@ class ModelRunner:
         for new in scheduler_output.new_requests:
             self.requests[new.request_id] = CachedRequestState(
                 new.request_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.sampling_params,
-                list(new.mm_items), pooling_params=new.pooling_params)
+                list(new.mm_items), pooling_params=new.pooling_params, lora_request=new.lora_request)
             self.logits_adjuster.add(self.requests[new.request_id])
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_logprob_ids[new.request_id] = 0
@@ -327,13 +329,17 @@ class ModelRunner:
             slot_mapping = np.pad(slot_mapping, ((0, 0), (0, 1)))
         logits_indices = query_start[1:][np.asarray(scheduler_output.sampling_rows, dtype=np.int64)] - 1
         token_types = self._token_types(requests, counts, positions)
+        lora_mapping = (self.lora.prepare_step([r.lora_request for r in requests], counts)
+                        if self.lora is not None else positions[:0])
         # One host->device copy for the whole step (pinned, asynchronous on CUDA).
         parts = [input_ids, positions, slot_mapping.ravel(), logits_indices, seq_lens, query_start, batch.rows,
-                 table_updates.ravel(), pending_slots, sources, token_types]
+                 table_updates.ravel(), pending_slots, sources, token_types, lora_mapping]
         flat = to_device_async(torch.from_numpy(np.concatenate(parts)), self.device)
         (input_ids_t, positions_t, slots_t, logits_t, seq_lens_t, query_start_t, rows_t, table_updates_t,
-         slots_in_flight, sources_t, token_types_t) = flat.split([len(part) for part in parts])
+         slots_in_flight, sources_t, token_types_t, lora_mapping_t) = flat.split([len(part) for part in parts])
         input_batch.apply_device_updates(table_updates_t.view(2, -1))
+        if self.lora is not None:
+            self.lora.apply_step(lora_mapping_t)
         if len(pending) == num_tokens and in_order:
             # Every input is the step in flight's token, in its row order (async decode): its
             # sampled ids are the input ids as they are (the model and its graphs only read them).

@@ -24,6 +24,8 @@ from hookllm.worker.forward_context import AttentionMetadata, set_forward_contex
 from hookllm.kernels import get_attention_backend, resolve_attention_backend
 from hookllm.kernels.reference import FP8_DTYPE
 from hookllm.layers.attention import Attention
+from hookllm.lora.layers import lora_kernels
+from hookllm.lora.manager import LoRAManager
 from hookllm.worker import default_hooks
 from hookllm.worker.kv_cache_groups import group_layers
 from hookllm.worker.input_batch import InputBatch
@@ -120,6 +122,11 @@ class Worker:
             raise ValueError(f"{hooks.overriding_plugins('load_model')}: load_model returned a model not built "
                              f"for quantization {model_config.quantization.name!r} (see quantize_model)")
         self.model = model
+        # LoRA: the projections take adapter slots before anything measures memory or captures graphs.
+        self.lora = (LoRAManager(model, model_config.hf_config, config.max_loras, config.max_lora_rank,
+                                 config.max_cpu_loras, max(config.max_num_batched_tokens, config.max_num_seqs),
+                                 self.device, self.dtype, lora_kernels(backend))
+                     if config.enable_lora else None)
         if self.uses_cuda_graphs and config.torch_compile and capability(model, "supports_torch_compile"):
             model.use_torch_compile()  # compiled by the CUDA-graph warm-up below, before any request
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
@@ -150,6 +157,7 @@ class Worker:
         self.runner = ModelRunner(model, hooks, self.device, config.block_size, self.attention_backend, config.seed,
                                   InputBatch(self.kv_cache_groups.num_groups, self.device, config.max_num_seqs,
                                              -(-model_config.max_model_len // config.block_size)), pooler)
+        self.runner.lora = self.lora
         if config.pipeline_parallel_size > 1:
             self.runner.stage = PipelineStage(capability(model, "pipeline_intermediate_count"),
                                               text_config_of(model_config.hf_config).hidden_size, self.dtype, self.device)

@@ -1,0 +1,136 @@
+"""The base model's projections with per-row LoRA deltas: ``y = base(x) + x A_s^T B_s^T``, ``s``
+the adapter slot of the token's request (none: the base model's output alone).
+
+A wrapped projection keeps ``max_loras`` slots of stacked weights: A ``[slots, slices * R, in]``
+and B ``[slots, out, R]``, R = ``max_lora_rank`` (smaller ranks zero-padded), the scaling folded
+into B. A fused projection (q/k/v, gate/up) is one wrapper whose slices each have their own A and
+B: one shrink over all slices' A, one expand writing each slice's columns. Every token of a step
+goes through the same two kernel launches whatever its slot, read from :class:`LoRAMapping`,
+whose device buffers CUDA graphs capture.
+
+Tensor parallel: a column-parallel projection keeps A whole (its input is replicated) and this
+rank's rows of B; a row-parallel one (o, down) keeps its columns of A, sums the shrunk [T, R]
+over the ranks (a small all-reduce), and keeps B whole: the delta is added by every rank after
+the base layer's own all-reduce, or by rank 0 alone into a partial sum left to a later reduce.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from hookllm.distributed import tensor_model_parallel_all_reduce
+from hookllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                   RowParallelLinear)
+
+# A wrapped projection's slices, in its output order, by the PEFT module names they load from.
+FUSED_SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+ADAPTABLE = (QKVParallelLinear, MergedColumnParallelLinear, ColumnParallelLinear, RowParallelLinear)
+
+
+class LoRAMapping:
+    """Which tokens of the step run which slot, on the device (read by every wrapped projection):
+    ``token_order`` holds the token indices grouped by slot, slot ``s``'s from ``slot_starts[s]``,
+    ``slot_counts[s]`` of them. ``active`` (host): whether any token of the step has an adapter;
+    a step without one skips the kernels, except inside CUDA graphs, which always launch them."""
+
+    def __init__(self, num_slots: int, max_tokens: int, device: torch.device):
+        self.token_order = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self.slot_starts = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.slot_counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.active = True  # until the first step says otherwise: graphs are captured with the kernels
+
+
+class LoRALinear(nn.Module):
+    """``base`` (a parallel linear layer, loaded) plus each token's slot's delta."""
+
+    def __init__(self, base: nn.Module, slices: tuple[str, ...], num_slots: int, max_rank: int,
+                 mapping: LoRAMapping, kernels: ModuleType, dtype: torch.dtype):
+        super().__init__()
+        self.base = base
+        self.slices = slices
+        self.max_rank = max_rank
+        self.mapping = mapping
+        self.kernels = kernels
+        out_size, in_size = base.weight.shape
+        if isinstance(base, (QKVParallelLinear, MergedColumnParallelLinear)):
+            offsets = [base.shard_offsets[shard] for shard in _shard_names(base)]
+        else:
+            offsets = [(0, out_size)]
+        self.slice_starts = tuple(start for start, _ in offsets) + (out_size,)
+        device = base.weight.device
+        # Persistent buffers: the engine's memory budget counts them with the weights.
+        self.register_buffer("lora_a", torch.zeros(num_slots, len(slices) * max_rank, in_size, dtype=dtype,
+                                                   device=device))
+        self.register_buffer("lora_b", torch.zeros(num_slots, out_size, max_rank, dtype=dtype, device=device))
+        self.row_parallel = isinstance(base, RowParallelLinear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        mapping = self.mapping
+        if not mapping.active:
+            return y
+        shrunk = self.kernels.lora_shrink(x, self.lora_a, mapping.token_order, mapping.slot_starts,
+                                          mapping.slot_counts)
+        base = self.base
+        if self.row_parallel and base.tp_size > 1:
+            # Each rank shrank its columns of x: the sum over ranks is the whole product.
+            shrunk = tensor_model_parallel_all_reduce(shrunk.sum(0, keepdim=True))
+            if not base.reduce_results and base.tp_rank != 0:
+                return y  # a partial sum: rank 0 adds the delta once
+        self.kernels.lora_expand(y, shrunk, self.lora_b, self.slice_starts, mapping.token_order,
+                                 mapping.slot_starts, mapping.slot_counts)
+        return y
+
+    def set_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Load slot ``slot`` with one (A [r, in], B [out, r]) per slice, full checkpoint shapes
+        (None: the adapter leaves that slice alone); this rank copies its shard."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        base, rank = self.base, self.max_rank
+        first_col, cols, _ = base._in_range()
+        shards = _shard_names(base) if len(self.slices) > 1 else [None]
+        for index, (shard, pair) in enumerate(zip(shards, weights)):
+            if pair is None:
+                continue
+            a, b = pair
+            r = a.shape[0]
+            local_row, row, rows, _ = base._out_range(shard)
+            self.lora_a[slot, index * rank:index * rank + r].copy_(a[:, first_col:first_col + cols])
+            self.lora_b[slot, local_row:local_row + rows, :r].copy_(b[row:row + rows])
+
+
+def _shard_names(base: nn.Module) -> list[str]:
+    return list(base.shard_offsets) if hasattr(base, "shard_offsets") else []
+
+
+def wrap_projections(model: nn.Module, num_slots: int, max_rank: int, mapping: LoRAMapping,
+                     kernels: ModuleType, dtype: torch.dtype) -> dict[str, tuple[LoRALinear, int]]:
+    """Replace every decoder layer's q/k/v, o, gate/up and down projection of ``model`` by a
+    :class:`LoRALinear` (its slots in ``dtype``, the activations'); returns each PEFT module
+    name's (wrapper, slice index)."""
+    targets: dict[str, tuple[LoRALinear, int]] = {}
+    for name, module in list(model.named_modules()):
+        parent_name, _, attr = name.rpartition(".")
+        if not isinstance(module, ADAPTABLE) or not parent_name.startswith("model.layers."):
+            continue
+        slices = FUSED_SLICES.get(attr, (attr,))
+        wrapper = LoRALinear(module, slices, num_slots, max_rank, mapping, kernels, dtype)
+        setattr(model.get_submodule(parent_name), attr, wrapper)
+        for index, peft_name in enumerate(slices):
+            targets[f"{parent_name}.{peft_name}"] = (wrapper, index)
+    return targets
+
+
+def lora_kernels(attention_backend: str) -> ModuleType:
+    """The module with ``lora_shrink`` and ``lora_expand``: the Triton kernels where attention runs
+    Triton's (CUDA, or the interpreter on the CPU), else their torch references."""
+    if attention_backend == "triton":
+        from hookllm.kernels import triton_lora
+
+        return triton_lora
+    from hookllm.kernels import reference
+
+    return reference

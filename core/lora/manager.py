@@ -1,0 +1,100 @@
+"""The worker's adapters: ``max_loras`` device slots, filled on demand, and each step's mapping.
+
+A step's adapters are at most ``max_loras`` (the scheduler admits a request only when its adapter
+has or can get a slot), so each finds a slot: the one it holds, a free one, or the least recently
+used slot no row of the step needs, overwritten. Its weights come from the host cache of
+``max_cpu_loras`` adapters (least recently used out), else from its folder. Slot writes are
+queued on the device's stream after the step in flight, which may still read the old adapter.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from types import ModuleType
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from hookllm.lora.adapter import LoRAAdapter, load_adapter
+from hookllm.lora.layers import LoRALinear, LoRAMapping, wrap_projections
+from hookllm.lora.request import LoRARequest
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, hf_config: Any, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
+                 max_tokens: int, device: torch.device, dtype: torch.dtype, kernels: ModuleType):
+        self.hf_config = hf_config
+        self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        self.dtype = dtype
+        self.mapping = LoRAMapping(max_loras, max_tokens, device)
+        self.targets = wrap_projections(model, max_loras, max_lora_rank, self.mapping, kernels, dtype)
+        if not self.targets:
+            raise ValueError(f"enable_lora: {type(model).__name__} has no projections hookllm can adapt (the native "
+                             "Llama-family decoders' q/k/v, o, gate/up and down)")
+        # Each wrapper's PEFT module names, one per slice in order.
+        self.wrappers: dict[LoRALinear, list[str]] = {}
+        for name, (wrapper, _) in self.targets.items():
+            self.wrappers.setdefault(wrapper, []).append(name)
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
+        self.free_slots = list(range(max_loras - 1, -1, -1))
+        self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # adapter id -> weights, least recently used first
+
+    def prepare_step(self, lora_requests: Sequence[LoRARequest | None], counts: np.ndarray) -> np.ndarray:
+        """Give every adapter of the step's rows a slot, and return the step's mapping for the
+        device, flat int64: the token order, then each slot's start and count (empty when no row
+        has an adapter: the step skips the kernels)."""
+        row_slots = self._slots_for(lora_requests)
+        self.mapping.active = bool((row_slots >= 0).any())
+        if not self.mapping.active:
+            return np.zeros(0, dtype=np.int64)
+        token_slots = np.repeat(row_slots, counts)
+        adapted = np.flatnonzero(token_slots >= 0)
+        order = adapted[np.argsort(token_slots[adapted], kind="stable")]
+        slot_counts = np.bincount(token_slots[adapted], minlength=self.max_loras)
+        return np.concatenate([order, np.cumsum(slot_counts) - slot_counts, slot_counts])
+
+    def apply_step(self, mapping: torch.Tensor) -> None:
+        """Copy ``prepare_step``'s mapping, now on the device, into the buffers the layers read."""
+        if mapping.shape[0] == 0:
+            return
+        slots = self.max_loras
+        num_tokens = mapping.shape[0] - 2 * slots
+        self.mapping.token_order[:num_tokens].copy_(mapping[:num_tokens])
+        self.mapping.slot_starts.copy_(mapping[num_tokens:num_tokens + slots])
+        self.mapping.slot_counts.copy_(mapping[num_tokens + slots:])
+
+    def _slots_for(self, lora_requests: Sequence[LoRARequest | None]) -> np.ndarray:
+        """Each row's slot (-1: the base model), loading the adapters that hold none."""
+        needed = {request.lora_int_id: request for request in lora_requests if request is not None}
+        if len(needed) > self.max_loras:
+            raise RuntimeError(f"a step has {len(needed)} LoRA adapters, over max_loras {self.max_loras}")
+        for lora_id, request in needed.items():
+            if lora_id in self.slot_of:
+                self.slot_of.move_to_end(lora_id)
+            else:
+                self._load(request, needed)
+        return np.fromiter((-1 if request is None else self.slot_of[request.lora_int_id]
+                            for request in lora_requests), dtype=np.int64, count=len(lora_requests))
+
+    def _load(self, request: LoRARequest, needed: dict[int, LoRARequest]) -> None:
+        if self.free_slots:
+            slot = self.free_slots.pop()
+        else:
+            victim = next(lora_id for lora_id in self.slot_of if lora_id not in needed)
+            slot = self.slot_of.pop(victim)
+        adapter = self._host_adapter(request)
+        for wrapper, names in self.wrappers.items():
+            wrapper.set_slot(slot, [adapter.weights.get(name) for name in names])
+        self.slot_of[request.lora_int_id] = slot
+
+    def _host_adapter(self, request: LoRARequest) -> LoRAAdapter:
+        adapter = self.host.get(request.lora_int_id)
+        if adapter is None:
+            adapter = load_adapter(request, self.hf_config, self.max_lora_rank, self.dtype, served_names=None)
+            self.host[request.lora_int_id] = adapter
+            while len(self.host) > self.max_cpu_loras:
+                self.host.popitem(last=False)
+        self.host.move_to_end(request.lora_int_id)
+        return adapter
