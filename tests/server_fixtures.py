@@ -32,6 +32,17 @@ def with_chat_template(source: Path, target: Path, template: str = CHAT_TEMPLATE
     return target
 
 
+def tiny_chat_model(root: Path, max_positions: int) -> Path:
+    """A tiny random Llama of ``max_positions`` positions, with a tokenizer and a chat template,
+    at ``root``/model."""
+    from hookllm import testing
+
+    base = root / "base"
+    testing.build_tiny_checkpoint(testing.tiny_llama_config(max_position_embeddings=max_positions), base)
+    testing.build_tiny_tokenizer(base)
+    return with_chat_template(base, root / "model")
+
+
 class Server:
     """A running ``hookllm serve``: its base URL; ``stop()`` sends SIGTERM and waits."""
 

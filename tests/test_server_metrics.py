@@ -19,8 +19,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hookllm import testing
-from server_fixtures import Server, with_chat_template
+from server_fixtures import Server, tiny_chat_model
 
 MAX_POSITIONS = 8192  # room for a request A that could not end on its own before the test closes it
 A_CHUNKS_AFTER_SEEN = 10  # chunks of A the client reads between seeing B wait and closing A
@@ -29,10 +28,7 @@ B_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("metrics-llama") / "base"
-    testing.build_tiny_checkpoint(testing.tiny_llama_config(max_position_embeddings=MAX_POSITIONS), path)
-    testing.build_tiny_tokenizer(path)
-    return with_chat_template(path, path.parent / "model")
+    return tiny_chat_model(tmp_path_factory.mktemp("metrics-llama"), MAX_POSITIONS)
 
 
 @pytest.fixture(scope="module")

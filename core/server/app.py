@@ -1,5 +1,6 @@
 """The OpenAI-compatible FastAPI app over an ``AsyncLLM``: the routes of ``serving_*`` over one
-``ServerState``, the error handlers, the API key check, and the plugins' routes."""
+``ServerState`` (``serving_lora``'s only when runtime LoRA updating is allowed), the error
+handlers, the API key check, and the plugins' routes."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from hookllm.engine.async_llm import AsyncLLM
-from hookllm.server import serving_basic, serving_chat, serving_completion, serving_pooling, serving_responses
+from hookllm.server import (serving_basic, serving_chat, serving_completion, serving_lora, serving_pooling,
+                            serving_responses)
 from hookllm.server.errors import ERROR_DESCRIPTIONS, add_error_handlers, error_response
-from hookllm.server.metrics import ArrivalTimeMiddleware, ServerMetrics
+from hookllm.server.metrics import ArrivalTimeMiddleware
 from hookllm.server.state import ServerSettings, ServerState
 
 if TYPE_CHECKING:
@@ -45,7 +47,8 @@ class APIKeyMiddleware:
 def build_app(engine: AsyncLLM, settings: ServerSettings,
               grpc_front: Callable[[ServerState], GrpcFrontEnd] | None = None) -> FastAPI:
     """The app serving ``engine``; plugins' ``add_routes`` hooks add their routes last. With
-    ``grpc_front``, the gRPC server it makes of the app's state runs as long as the app does."""
+    ``grpc_front``, the gRPC server it makes of the app's state runs as long as the app does.
+    ``ValueError`` for a ``settings.lora_modules`` adapter that does not fit the model."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,7 +60,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings,
         engine.shutdown()  # uvicorn has drained (or timed out) the connections: stop the engine
 
     app = FastAPI(title="hookllm", version=metadata.version("hookllm"), lifespan=lifespan)
-    app.state.server = ServerState(engine, settings, ServerMetrics(engine, settings.served_model_names[0]))
+    app.state.server = ServerState.create(engine, settings)
     front = app.state.grpc = grpc_front(app.state.server) if grpc_front is not None else None
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
@@ -65,6 +68,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings,
     add_error_handlers(app)
     for module in (serving_basic, serving_completion, serving_chat, serving_responses, serving_pooling):
         app.include_router(module.router)
+    if settings.allow_runtime_lora_updating:
+        app.include_router(serving_lora.router)
     engine.hooks.hook.add_routes(app=app, engine=engine, context=engine.hooks.context)
     app.openapi = lambda: openapi_document(app, bool(settings.api_key))
     return app

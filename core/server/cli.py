@@ -24,6 +24,7 @@ from typing import Any, Iterator
 from hookllm.plugins.components import ComponentKind
 from hookllm.engine.arg_utils import DefaultsHelpFormatter, EngineArgs
 from hookllm.logging_config import add_log_level_argument, configure_logging
+from hookllm.server.lora_registry import parse_lora_module, runtime_updating_allowed
 from hookllm.utils import join_or_kill
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -83,6 +84,11 @@ def add_parsers(subparsers: argparse._SubParsersAction, plugin_parser: argparse.
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="vLLM's flag, accepted so its command lines run: tool_choice 'auto' is on whenever "
                             "--tool-call-parser is given, and this flag without it is an error")
+    serve.add_argument("--lora-modules", nargs="+", action="extend", type=parse_lora_module, default=[],
+                       metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT folders) requests name as their model, with --enable-lora: "
+                            "NAME=PATH, or JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; "
+                            "several values, and the flag repeatable")
     EngineArgs.add_cli_args(serve)
 
     for name, help_ in (("complete", "stream a completion from a running server"),
@@ -138,6 +144,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (the parser that reads the calls)")
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora (the engine serves adapters only with it)")
     if args.headless:
         return _run_headless(args)
     if args.node_rank > 0:
@@ -206,11 +214,13 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket | None) -> int:
+def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket | None,
+           api_server: tuple[int, int] = (0, 1)) -> int:
     """Serve ``engine`` (an ``AsyncLLM``) on ``sock`` (bound to ``--host`` and ``--port``, maybe
-    shared with other API server processes; None with ``--no-http``), and on ``--grpc-port``,
-    until SIGTERM or SIGINT (status 0), or until the engine dies (status 1: its requests have
-    failed with an error; a server that cannot serve exits, so a supervisor restarts it)."""
+    shared with other API server processes, ``api_server`` being this one's index and their
+    count; None with ``--no-http``), and on ``--grpc-port``, until SIGTERM or SIGINT (status 0),
+    or until the engine dies (status 1: its requests have failed with an error; a server that
+    cannot serve exits, so a supervisor restarts it)."""
     import threading
 
     import uvicorn
@@ -226,7 +236,9 @@ def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket | None) ->
                               allowed_local_media_path=media.resolve() if media is not None else None,
                               plugin_options={name: getattr(args, name) for name in args.plugin_options},
                               tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                              log_requests=args.enable_log_requests, chat_template=args.chat_template)
+                              log_requests=args.enable_log_requests, chat_template=args.chat_template,
+                              lora_modules=args.lora_modules, allow_runtime_lora_updating=runtime_updating_allowed(),
+                              api_server=api_server)
     # uvicorn re-raises the SIGTERM/SIGINT it caught once it has shut down: end with status 0
     # then (a clean stop, not a crash) instead of the default handlers' kill or traceback.
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -282,10 +294,9 @@ def _serve_grpc_only(engine: Any, settings: Any, grpc_front: Any) -> int:
     import asyncio
     import threading
 
-    from hookllm.server.metrics import ServerMetrics
     from hookllm.server.state import ServerState
 
-    front = grpc_front(ServerState(engine, settings, ServerMetrics(engine, settings.served_model_names[0])))
+    front = grpc_front(ServerState.create(engine, settings))
     engine_died = threading.Event()
 
     async def serve() -> None:
@@ -332,7 +343,7 @@ def _run_api_servers(args: argparse.Namespace, config: Any, sock: socket.socket)
     try:
         engines = start_engines(config, num_clients=args.api_server_count)
         context = multiprocessing.get_context("spawn")
-        servers = [context.Process(target=_api_server_main, args=(args, config, conns, sock),
+        servers = [context.Process(target=_api_server_main, args=(args, config, conns, sock, i),
                                    name=f"hookllm-api-server-{i}")
                    for i, conns in enumerate(zip(*[engine.client_conns for engine in engines]))]
         for server in servers:
@@ -389,7 +400,8 @@ def _stop_multiprocessing_servers() -> None:
             stop()
 
 
-def _api_server_main(args: argparse.Namespace, config: Any, conns: tuple[Any, ...], sock: socket.socket) -> None:
+def _api_server_main(args: argparse.Namespace, config: Any, conns: tuple[Any, ...], sock: socket.socket,
+                     index: int) -> None:
     from hookllm.engine.async_llm import AsyncLLM
     from hookllm.utils import name_this_process
 
@@ -397,7 +409,8 @@ def _api_server_main(args: argparse.Namespace, config: Any, conns: tuple[Any, ..
     configure_logging(args.log_level)  # spawned: it inherits no logging setup, only the resolved level
     # A SIGTERM while this server still starts (nothing to drain yet) is a clean stop too.
     signal.signal(signal.SIGTERM, _exit_after_shutdown)
-    raise SystemExit(_serve(args, AsyncLLM(config=config, connections=list(conns)), sock))
+    raise SystemExit(_serve(args, AsyncLLM(config=config, connections=list(conns)), sock,
+                            (index, args.api_server_count)))
 
 
 def _exit_after_shutdown(signum: int, frame: Any) -> None:

@@ -63,7 +63,7 @@ def engine_error(exc: Exception) -> OpenAIError:
 ERROR_DESCRIPTIONS = {
     400: "Bad input: malformed JSON, or a field of the wrong type, out of range or not supported (`param` names it)",
     401: "A missing or wrong API key (`Authorization: Bearer ...`, with `--api-key`)",
-    404: "Not found: the model named, or the response asked for",
+    404: "Not found: the model (or LoRA adapter) named, or the response asked for",
     500: "A failed engine step (the server keeps serving other requests), or an unexpected error",
     503: "The engine has shut down",
 }

@@ -116,8 +116,9 @@ class ServerMetrics:
 
 class EngineMetrics:
     """The engine's state, read at scrape time from the stats of its last report: one sample per
-    engine (``hookllm serve --data-parallel-size``), labelled ``engine`` "0", "1", ... Gauges, and
-    the prefix cache's counters (tokens since the engine started), which prefix-aware routers read."""
+    engine (``hookllm serve --data-parallel-size``), labelled ``engine`` "0", "1", ... Gauges, the
+    prefix cache's counters (tokens since the engine started), which prefix-aware routers read,
+    and with ``--enable-lora`` the adapters in use, which LoRA-aware routers read."""
 
     GAUGES: tuple[tuple[tuple[str, ...], str, Callable[[SchedulerStats], float]], ...] = (
         (both("num_requests_running"), "Requests in the running batch.", lambda s: s.num_running_reqs),
@@ -145,6 +146,21 @@ class EngineMetrics:
                     for index, value in enumerate(values):
                         family.add_metric([self.model_name, str(index)], value)
                     yield family
+        if self.engine.config.enable_lora:
+            yield from self._lora_info(engines)
+
+    def _lora_info(self, engines: list[SchedulerStats]) -> Iterator[GaugeMetricFamily]:
+        """vLLM's ``lora_requests_info``: the adapters (names, comma-separated) of the running and
+        of the waiting requests, and ``max_lora`` (the batch's adapter slots), in its labels; its
+        value the time of the reading, so that a reader can tell the latest label set (vLLM's way)."""
+        labels = ["model_name", "engine", "max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+        now = time.time()
+        for name in both("lora_requests_info"):
+            family = GaugeMetricFamily(name, "Running stats on LoRA requests.", labels=labels)
+            for index, stats in enumerate(engines):
+                family.add_metric([self.model_name, str(index), str(self.engine.config.max_loras),
+                                   ",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters)], now)
+            yield family
 
 
 _arrival: ContextVar[float] = ContextVar("hookllm_request_arrival")

@@ -428,13 +428,29 @@ class ModelCard(BaseModel):
     object: str = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "hookllm"
-    root: str | None = None
+    root: str | None = None  # a LoRA adapter's: its folder
+    parent: str | None = None  # a LoRA adapter's: the base model's name
     max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
     object: str = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's ``/v1/load_lora_adapter`` body: the name requests will give as ``model``, and the
+    adapter's PEFT folder on the server's disk."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's ``/v1/unload_lora_adapter`` body (its ``lora_int_id`` is accepted and ignored: the
+    name says which)."""
+
+    lora_name: str = Field(min_length=1)
 
 
 class TokenizeRequest(OpenAIModel):

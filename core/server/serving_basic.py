@@ -33,15 +33,20 @@ async def show_metrics(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def show_available_models(request: Request) -> ModelList:
+    """The base model under each served name, then each LoRA adapter (its ``root`` its folder,
+    its ``parent`` the base model's first name), as vLLM lists them."""
     state = server_state(request)
-    return ModelList(data=[ModelCard(id=name, root=state.settings.model_root, max_model_len=state.max_model_len)
-                           for name in state.settings.served_model_names])
+    cards = [ModelCard(id=name, root=state.settings.model_root, max_model_len=state.max_model_len)
+             for name in state.settings.served_model_names]
+    cards += [ModelCard(id=adapter.lora_name, root=adapter.lora_path, parent=state.loras.parent,
+                        max_model_len=state.max_model_len) for adapter in state.loras.adapters()]
+    return ModelList(data=cards)
 
 
 @router.post("/tokenize", responses=error_responses(400, 404))
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state = server_state(request)
-    state.model_name(body.model)
+    await state.served_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise OpenAIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
     if body.messages is not None:
@@ -54,7 +59,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 @router.post("/detokenize", responses=error_responses(400, 404))
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state = server_state(request)
-    state.model_name(body.model)
+    await state.served_model(body.model)
     try:
         return DetokenizeResponse(prompt=await state.engine.detokenize(body.tokens))
     except Exception as exc:  # noqa: BLE001 - the tokenizer's error for ids it does not know

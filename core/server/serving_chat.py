@@ -110,7 +110,7 @@ def _finish_reason(reason: str | None, called: bool) -> str | None:
 
 async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id: str) -> ChatRun:
     """Validate ``body``, render its conversation and start it on the engine (OpenAIError: its HTTP error)."""
-    name = state.model_name(body.model)
+    model = await state.served_model(body.model)
     num_top = body.top_logprobs or 0
     params = state.sampling_params(body, body.max_completion_tokens or body.max_tokens,
                                    num_top if body.logprobs else None)
@@ -126,9 +126,9 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id
     if body.add_special_tokens:
         prompt["prompt_token_ids"] = await state.engine.tokenize(prompt["prompt"])
     try:
-        (gen,) = await state.start([prompt], params, request_id)
+        (gen,) = await state.start([prompt], params, request_id, model.lora_request)
     except OpenAIError as exc:
         raise tools.explain(exc) from None
     options = ReasoningOptions(separate=body.separate_reasoning, include=body.include_reasoning,
                                stream=body.stream_reasoning)
-    return ChatRun(state, body, name, request_id, gen, num_top, lambda: tools.replies().with_options(options))
+    return ChatRun(state, body, model.name, request_id, gen, num_top, lambda: tools.replies().with_options(options))

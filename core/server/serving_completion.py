@@ -31,7 +31,7 @@ router = APIRouter()
              responses=generation_responses(CompletionResponse, "a `CompletionResponse` per chunk, then `[DONE]`"))
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = server_state(request)
-    name = state.model_name(body.model)
+    model = await state.served_model(body.model)
     if body.max_tokens == 0 and not body.echo:
         raise OpenAIError(400, "max_tokens must be >= 1 (0 only with echo, to score the prompt)", param="max_tokens")
     prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
@@ -48,9 +48,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     response_id = f"cmpl-{body.request_id}" if body.request_id is not None else request_id
 
     async def run() -> Response:
-        gens = await state.start(prompts, params, request_id)
-        return (completion_stream(state.engine, body, name, response_id, gens) if body.stream
-                else await completion_response(state.engine, body, name, response_id, gens, params.n))
+        gens = await state.start(prompts, params, request_id, model.lora_request)
+        return (completion_stream(state.engine, body, model.name, response_id, gens) if body.stream
+                else await completion_response(state.engine, body, model.name, response_id, gens, params.n))
 
     return await until_disconnect(request, run())
 

@@ -23,7 +23,7 @@ from hookllm.server.protocol import (ClassificationData, ClassificationRequest, 
                                      EmbeddingRequest, EmbeddingResponse, PoolingData, PoolingListResponse,
                                      PoolingRequest, PoolingUsage, RerankDocument, RerankRequest, RerankResponse,
                                      RerankResult, RerankUsage, ScoreData, ScoreRequest, ScoreResponse)
-from hookllm.server.state import ServerState, server_state
+from hookllm.server.state import ServedModel, ServerState, server_state
 from hookllm.server.streaming import until_disconnect
 
 router = APIRouter()
@@ -43,11 +43,13 @@ def pooling_params(**fields: Any) -> PoolingParams:
         raise OpenAIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
 
 
-async def pool(state: ServerState, prompts: list[Any], params: PoolingParams, kind: str) -> list[PoolingRequestOutput]:
-    """Run one pooling request per prompt; the engine's errors as HTTP errors."""
+async def pool(state: ServerState, model: ServedModel, prompts: list[Any], params: PoolingParams,
+               kind: str) -> list[PoolingRequestOutput]:
+    """Run one pooling request per prompt, on ``model`` (its LoRA adapter, if any); the engine's
+    errors as HTTP errors."""
     base_id = f"{kind}-{uuid.uuid4().hex}"
     try:
-        return await asyncio.gather(*(state.engine.encode(prompt, params, f"{base_id}-{index}")
+        return await asyncio.gather(*(state.engine.encode(prompt, params, f"{base_id}-{index}", model.lora_request)
                                       for index, prompt in enumerate(prompts)))
     except (ValueError, EngineStepError, EngineDeadError) as exc:
         raise engine_error(exc) from None
@@ -58,7 +60,7 @@ def usage(outputs: list[PoolingRequestOutput]) -> PoolingUsage:
     return PoolingUsage(prompt_tokens=tokens, total_tokens=tokens)
 
 
-async def scores(state: ServerState, text_1: str | list[str], text_2: str | list[str],
+async def scores(state: ServerState, model: ServedModel, text_1: str | list[str], text_2: str | list[str],
                  truncate_prompt_tokens: int | None) -> tuple[list[float], int]:
     """Each pair's score (see ``LLM.score``) and the tokens read."""
     try:
@@ -67,32 +69,32 @@ async def scores(state: ServerState, text_1: str | list[str], text_2: str | list
     except ValueError as exc:
         raise OpenAIError(400, str(exc)) from None
     prompts, fields = score_inputs(method, state.engine.tokenizer, firsts, seconds)
-    outputs = await pool(state, prompts, pooling_params(**fields, truncate_prompt_tokens=truncate_prompt_tokens),
-                         "score")
+    outputs = await pool(state, model, prompts,
+                         pooling_params(**fields, truncate_prompt_tokens=truncate_prompt_tokens), "score")
     return pair_scores(outputs, method), usage(outputs).total_tokens
 
 
 async def respond(request: Request, model: str | None,
-                  answer: Callable[[ServerState, str], Awaitable[BaseModel]]) -> Response | BaseModel:
-    """``answer(state, the served model's name)``, cancelled (its requests aborted) if the client
-    disconnects first."""
+                  answer: Callable[[ServerState, ServedModel], Awaitable[BaseModel]]) -> Response | BaseModel:
+    """``answer(state, the model the request names)``, cancelled (its requests aborted) if the
+    client disconnects first."""
     state = server_state(request)
-    return await until_disconnect(request, answer(state, state.model_name(model)))
+    return await until_disconnect(request, answer(state, await state.served_model(model)))
 
 
 @router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=RESPONSES)
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response | BaseModel:
-    async def answer(state: ServerState, name: str) -> EmbeddingResponse:
+    async def answer(state: ServerState, model: ServedModel) -> EmbeddingResponse:
         params = pooling_params(task="embed", dimensions=body.dimensions, normalize=body.normalize,
                                 truncate_prompt_tokens=body.truncate_prompt_tokens)
         inputs = inputs_of(body.input)
         if not body.add_special_tokens:  # text inputs tokenized here, without the tokenizer's BOS
             inputs = [{"prompt": text, "prompt_token_ids": await state.engine.tokenize(text, add_special_tokens=False)}
                       if isinstance(text, str) else text for text in inputs]
-        outputs = await pool(state, inputs, params, "embd")
+        outputs = await pool(state, model, inputs, params, "embd")
         data = [EmbeddingData(index=index, embedding=encoded(output.outputs.data, body.encoding_format))
                 for index, output in enumerate(outputs)]
-        return EmbeddingResponse(id=f"embd-{uuid.uuid4().hex}", model=name, data=data, usage=usage(outputs))
+        return EmbeddingResponse(id=f"embd-{uuid.uuid4().hex}", model=model.name, data=data, usage=usage(outputs))
 
     return await respond(request, body.model, answer)
 
@@ -107,36 +109,37 @@ def encoded(data, encoding_format: str) -> list[float] | list[list[float]] | str
 
 @router.post("/pooling", response_model=PoolingListResponse, responses=RESPONSES)
 async def create_pooling(body: PoolingRequest, request: Request) -> Response | BaseModel:
-    async def answer(state: ServerState, name: str) -> PoolingListResponse:
+    async def answer(state: ServerState, model: ServedModel) -> PoolingListResponse:
         params = pooling_params(task=body.task, truncate_prompt_tokens=body.truncate_prompt_tokens)
-        outputs = await pool(state, inputs_of(body.input), params, "pool")
+        outputs = await pool(state, model, inputs_of(body.input), params, "pool")
         data = [PoolingData(index=index, data=encoded(output.outputs.data, body.encoding_format))
                 for index, output in enumerate(outputs)]
-        return PoolingListResponse(id=f"pool-{uuid.uuid4().hex}", model=name, data=data, usage=usage(outputs))
+        return PoolingListResponse(id=f"pool-{uuid.uuid4().hex}", model=model.name, data=data, usage=usage(outputs))
 
     return await respond(request, body.model, answer)
 
 
 @router.post("/classify", response_model=ClassificationResponse, responses=RESPONSES)
 async def create_classification(body: ClassificationRequest, request: Request) -> Response | BaseModel:
-    async def answer(state: ServerState, name: str) -> ClassificationResponse:
+    async def answer(state: ServerState, model: ServedModel) -> ClassificationResponse:
         params = pooling_params(task="classify", activation=body.activation,
                                 truncate_prompt_tokens=body.truncate_prompt_tokens)
-        outputs = await pool(state, inputs_of(body.input), params, "classify")
+        outputs = await pool(state, model, inputs_of(body.input), params, "classify")
         labels = state.engine.model_config.pooler.labels
         data = [ClassificationData(index=index, label=labels[int(output.outputs.data.argmax())],
                                    probs=output.outputs.data.tolist(), num_classes=len(labels))
                 for index, output in enumerate(outputs)]
-        return ClassificationResponse(id=f"classify-{uuid.uuid4().hex}", model=name, data=data, usage=usage(outputs))
+        return ClassificationResponse(id=f"classify-{uuid.uuid4().hex}", model=model.name, data=data,
+                                      usage=usage(outputs))
 
     return await respond(request, body.model, answer)
 
 
 @router.post("/score", response_model=ScoreResponse, responses=RESPONSES)
 async def create_score(body: ScoreRequest, request: Request) -> Response | BaseModel:
-    async def answer(state: ServerState, name: str) -> ScoreResponse:
-        values, tokens = await scores(state, body.text_1, body.text_2, body.truncate_prompt_tokens)
-        return ScoreResponse(id=f"score-{uuid.uuid4().hex}", model=name,
+    async def answer(state: ServerState, model: ServedModel) -> ScoreResponse:
+        values, tokens = await scores(state, model, body.text_1, body.text_2, body.truncate_prompt_tokens)
+        return ScoreResponse(id=f"score-{uuid.uuid4().hex}", model=model.name,
                              data=[ScoreData(index=index, score=value) for index, value in enumerate(values)],
                              usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
@@ -146,13 +149,13 @@ async def create_score(body: ScoreRequest, request: Request) -> Response | BaseM
 @router.post("/rerank", response_model=RerankResponse, responses=RESPONSES)
 @router.post("/v1/rerank", response_model=RerankResponse, responses=RESPONSES)
 async def create_rerank(body: RerankRequest, request: Request) -> Response | BaseModel:
-    async def answer(state: ServerState, name: str) -> RerankResponse:
-        values, tokens = await scores(state, body.query, body.documents, body.truncate_prompt_tokens)
+    async def answer(state: ServerState, model: ServedModel) -> RerankResponse:
+        values, tokens = await scores(state, model, body.query, body.documents, body.truncate_prompt_tokens)
         ranked = sorted(range(len(values)), key=lambda index: values[index], reverse=True)[:body.top_n]
         results = [RerankResult(index=index, relevance_score=values[index],
                                 document=RerankDocument(text=body.documents[index]) if body.return_documents else None)
                    for index in ranked]
-        return RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=name, usage=RerankUsage(total_tokens=tokens),
+        return RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=model.name, usage=RerankUsage(total_tokens=tokens),
                               results=results)
 
     return await respond(request, body.model, answer)

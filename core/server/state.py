@@ -1,6 +1,6 @@
-"""The server's state, one per app: the engine, the settings and the metrics, with the request
-handling the routes share (the model name, chat rendering, starting requests), and the
-body's sampling parameters. Routes reach the state through ``server_state(request)``."""
+"""The server's state, one per app: the engine, the settings, the metrics and the LoRA adapters,
+with the request handling the routes share (the model a request names, chat rendering, starting
+requests), and the body's sampling parameters. Routes reach the state through ``server_state(request)``."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from hookllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError
+from hookllm.lora.request import LoRARequest
 from hookllm.outputs import RequestOutput
 from hookllm.sampling_params import SamplingParams
 from hookllm.server.errors import OpenAIError, engine_error
+from hookllm.server.lora_registry import LoRAModulePath, LoRARegistry
 from hookllm.server.metrics import ServerMetrics, request_arrival
 from hookllm.server.protocol import (IGNORED_FIELDS, UNSUPPORTED_FIELDS, ChatCompletionRequest, SamplingFields,
                                      TokenizeRequest)
@@ -39,6 +41,21 @@ class ServerSettings:
     # --chat-template's template: chats whose request gives none render with it, not the tokenizer's.
     chat_template: str | None = None
     log_requests: bool = False  # --enable-log-requests: each request's end, at debug level
+    # --lora-modules' adapters, checked as the state is built; POST /v1/load_lora_adapter and
+    # /v1/unload_lora_adapter exist only with allow_runtime_lora_updating (vLLM's environment variable).
+    lora_modules: list[LoRAModulePath] = field(default_factory=list)
+    allow_runtime_lora_updating: bool = False
+    # This process's index among --api-server-count API server processes, and their count.
+    api_server: tuple[int, int] = (0, 1)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What a request's ``model`` names: the name its response reports, and its LoRA adapter
+    (None: the base model)."""
+
+    name: str
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -46,18 +63,38 @@ class ServerState:
     engine: AsyncLLM
     settings: ServerSettings
     metrics: ServerMetrics
+    loras: LoRARegistry
+
+    @classmethod
+    def create(cls, engine: AsyncLLM, settings: ServerSettings) -> ServerState:
+        """The state of a server over ``engine``; ``ValueError`` naming a ``--lora-modules``
+        adapter that does not fit the base model (the server does not start)."""
+        names = settings.served_model_names
+        # An adapter's base model may be named by the model's path, its hub id or a served name.
+        base_names = [engine.config.model, *([settings.model_root] if settings.model_root else []), *names]
+        loras = LoRARegistry(engine, names, base_names, settings.lora_modules, settings.api_server)
+        return cls(engine, settings, ServerMetrics(engine, names[0]), loras)
 
     @property
     def max_model_len(self) -> int:
         return self.engine.model_config.max_model_len
 
-    def model_name(self, requested: str | None) -> str:
-        """The name a response reports: the first served name, unless the request names another one."""
+    async def served_model(self, requested: str | None) -> ServedModel:
+        """The model a request names: a served name of the base model (absent: the first), or a
+        LoRA adapter's name, which the ``resolve_lora_adapter`` hook may find if no adapter has
+        it yet. An adapter it finds that does not fit is a 400, a name nothing serves a 404."""
         names = self.settings.served_model_names
         if requested is None or requested in names:
-            return names[0]
-        raise OpenAIError(404, f"the model {requested!r} does not exist; served: {', '.join(names)}",
-                          param="model", code="model_not_found")
+            return ServedModel(names[0])
+        adapter = self.loras.get(requested)
+        if adapter is None and self.loras.enabled:
+            try:
+                adapter = await self.loras.resolve(requested)
+            except ValueError as exc:
+                raise OpenAIError(400, str(exc), param="model") from None
+        if adapter is None:
+            raise OpenAIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+        return ServedModel(adapter.lora_name, adapter)
 
     def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The body's ``SamplingParams``; a value they refuse, or a field the server does not know,
@@ -84,9 +121,10 @@ class ServerState:
         return {**self.settings.plugin_options, **options, **(getattr(body, "vllm_xargs", None) or {}),
                 **(getattr(body, "extra_args", None) or {})}
 
-    async def start(self, prompts: list[Any], params: SamplingParams,
-                    base_id: str) -> list[AsyncIterator[RequestOutput]]:
-        """One engine request per prompt (``{base_id}-{index}``), each past its first output.
+    async def start(self, prompts: list[Any], params: SamplingParams, base_id: str,
+                    lora_request: LoRARequest | None = None) -> list[AsyncIterator[RequestOutput]]:
+        """One engine request per prompt (``{base_id}-{index}``, with ``lora_request``'s adapter
+        if any), each past its first output.
 
         A prompt and ``max_tokens`` that together exceed ``max_model_len`` are a 400 here, as in
         vLLM's server (the offline API caps ``max_tokens`` instead). Text prompts are tokenized
@@ -96,7 +134,7 @@ class ServerState:
         if params.max_tokens is not None:
             prompts = [await self._fitted(prompt, params.max_tokens, i) for i, prompt in enumerate(prompts)]
         gens = [tracked(self.engine, self.metrics, prompt, params, f"{base_id}-{i}", arrival,
-                        self.settings.log_requests) for i, prompt in enumerate(prompts)]
+                        self.settings.log_requests, lora_request) for i, prompt in enumerate(prompts)]
         try:
             return await start_streams(gens)
         except (ValueError, EngineStepError, EngineDeadError) as exc:

@@ -18,6 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from hookllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError
+from hookllm.lora.request import LoRARequest
 from hookllm.outputs import CompletionOutput, RequestOutput
 from hookllm.sampling_params import SamplingParams
 from hookllm.server.errors import engine_error
@@ -28,14 +29,16 @@ logger = logging.getLogger(__name__)
 
 
 async def tracked(engine: AsyncLLM, metrics: ServerMetrics, prompt: Any, params: SamplingParams,
-                  request_id: str, arrival: float, log_requests: bool = False) -> AsyncIterator[RequestOutput]:
-    """``engine.generate`` with its metrics recorded (tokens; TTFT, TPOT and end-to-end latency
-    from ``arrival``, the HTTP request's; finish reason); with ``log_requests``, its end logged
-    (debug level: ``hookllm serve --enable-log-requests --log-level debug``)."""
+                  request_id: str, arrival: float, log_requests: bool = False,
+                  lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+    """``engine.generate`` (with ``lora_request``'s adapter, if any) with its metrics recorded
+    (tokens; TTFT, TPOT and end-to-end latency from ``arrival``, the HTTP request's; finish
+    reason); with ``log_requests``, its end logged (debug level: ``hookllm serve
+    --enable-log-requests --log-level debug``)."""
     timer: RequestTimer | None = None
     reason = "abort"
     try:
-        async for output in engine.generate(prompt, params, request_id):
+        async for output in engine.generate(prompt, params, request_id, lora_request):
             if output.finished:
                 reason = output.outputs[0].finish_reason or "stop"
             if timer is None:
