@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import add_out_argument, commit, device_name, now, write_result  # noqa: E402
-from throughput import WORKLOADS, checkpoint, random_workload, start_llm, timed_call  # noqa: E402
+from throughput import (WORKLOADS, add_engine_arguments, checkpoint, random_workload,  # noqa: E402
+                        resolve_engine_arguments, start_llm, timed_call)
 
 VOCAB = "vocab"  # top_k: the whole vocabulary (keeps every token)
 # name -> the sampling fields of every request, or a list cycled over the requests (a mix).
@@ -57,22 +58,14 @@ def request_params(setting: dict | list[dict], max_tokens: list[int], vocab: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="llama-3.2-1b")
-    parser.add_argument("--tiny", action="store_true", help="a tiny random Llama on the CPU (smoke test)")
-    parser.add_argument("--root", default="/tmp/hookllm-bench")
+    add_engine_arguments(parser)
     parser.add_argument("--workload", default="a", choices=sorted(WORKLOADS))
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--only", default=None,
                         help="run the settings whose name contains one of these (comma-separated)")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--max-cuda-graph-tokens", type=int, default=None)
     add_out_argument(parser)
     args = parser.parse_args()
-    args.model_impl, args.quantization, args.kv_cache_dtype = None, None, "auto"
-    if args.max_cuda_graph_tokens is None:
-        from hookllm.config import EngineConfig
-        args.max_cuda_graph_tokens = EngineConfig.max_cuda_graph_tokens
+    resolve_engine_arguments(args)
 
     path = checkpoint(args)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]

@@ -468,6 +468,26 @@ def free_memory() -> None:
     torch.cuda.empty_cache()
 
 
+def add_engine_arguments(parser) -> None:
+    """The model (``--shape``, ``--tiny``, ``--root``) and the engine's batch limits, as
+    ``checkpoint`` and ``engine_kwargs`` read them (with ``resolve_engine_arguments``)."""
+    parser.add_argument("--shape", default="llama-3.2-1b")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random Llama on the CPU (smoke test)")
+    parser.add_argument("--root", default="/tmp/hookllm-bench")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-cuda-graph-tokens", type=int, default=None)
+
+
+def resolve_engine_arguments(args) -> None:
+    """The native bf16 model (no other implementation or quantization) and the engine's own
+    ``max_cuda_graph_tokens`` unless given."""
+    args.model_impl, args.quantization, args.kv_cache_dtype = None, None, "auto"
+    if args.max_cuda_graph_tokens is None:
+        from hookllm.config import EngineConfig
+        args.max_cuda_graph_tokens = EngineConfig.max_cuda_graph_tokens
+
+
 def checkpoint(args) -> Path:
     """The saved random checkpoint of ``--shape``, or with ``--tiny`` a tiny random Llama."""
     if not args.tiny:
