@@ -126,3 +126,28 @@ def test_max_num_seqs_leaves_the_rest_waiting():
         scheduler.add(_request(str(i), 5))
     batch = scheduler.schedule()
     assert batch.request_ids == ["0", "1"] and len(scheduler.waiting) == 2
+
+
+def _lora_request(rid: str, adapter: int | None) -> Request:
+    from hookllm.lora.request import LoRARequest
+
+    request = _request(rid, 8)
+    request.lora_request = None if adapter is None else LoRARequest(f"adapter-{adapter}", adapter, "/adapters")
+    return request
+
+
+def test_a_request_whose_adapter_has_no_slot_waits_while_later_ones_run():
+    scheduler = Scheduler(BlockManager(num_blocks=40, block_size=16), max_num_seqs=8, max_num_batched_tokens=64,
+                          max_loras=1)
+    for request in (_lora_request("x", 1), _lora_request("y", 2), _lora_request("base", None),
+                    _lora_request("x2", 1)):
+        scheduler.add(request)
+    batch = scheduler.schedule()
+    assert batch.request_ids == ["x", "base", "x2"]  # adapter 2 has no slot while adapter 1 runs
+    assert [r.request_id for r in scheduler.waiting] == ["y"]
+    assert (scheduler.stats().running_lora_adapters, scheduler.stats().waiting_lora_adapters) == (
+        ["adapter-1"], ["adapter-2"])
+    _advance(scheduler, batch)
+    for request_id in ("x", "x2"):
+        scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+    assert scheduler.schedule().request_ids == ["base", "y"]  # the slot is free: adapter 2 runs
