@@ -28,10 +28,10 @@ from hookllm.config import EngineConfig
 from hookllm.engine.llm_engine import LLMEngine
 from hookllm.engine.core_client import EngineClient, EngineThread, start_engines
 from hookllm.engine.dp_client import DataParallelClient
-from hookllm.lora.request import LoRARequest
 from hookllm.engine.messages import (AbortRequests, AddRequest, EngineReport, OutputDelta, OutputStream, PooledOutput,
                                      merge_deltas, rebuild_error, unpack_pooled)
 from hookllm.inputs import PromptType
+from hookllm.lora.request import LoRARequest
 from hookllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import SamplingParams

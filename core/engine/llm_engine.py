@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any, Iterable
 from hookllm.config import EngineConfig, ModelConfig, resolve_device
 from hookllm.engine.core import EngineCore
 from hookllm.engine.input_processor import InputProcessor
-from hookllm.lora.request import LoRARequest
 from hookllm.engine.output_processor import OutputProcessor
 from hookllm.inputs import PromptType
+from hookllm.lora.request import LoRARequest
 from hookllm.outputs import RequestOutput
 from hookllm.plugins.manager import PluginManager
 from hookllm.sampling_params import SamplingParams

@@ -17,9 +17,9 @@ import msgspec
 import numpy as np
 import torch
 
+from hookllm.lora.request import LoRARequest
 from hookllm.outputs import (CompletionOutput, FlatLogprobs, Logprob, PoolingOutput, PoolingRequestOutput,
                              RequestMetrics, RequestOutput)
-from hookllm.lora.request import LoRARequest
 from hookllm.pooling_params import PoolingParams
 from hookllm.sampling_params import SamplingParams
 from hookllm.sched.scheduler import SchedulerStats

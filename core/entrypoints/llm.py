@@ -114,7 +114,7 @@ class LLM:
                 raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}")
         # Only the final output is needed here: skip building one every step.
         final = [dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY) for params in sampling_params]
-        return self._run(prompts, final, use_tqdm, loras=_per_prompt(lora_request, len(prompts)))
+        return self._run(prompts, final, _per_prompt(lora_request, len(prompts)), use_tqdm)
 
     def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
                use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
@@ -129,7 +129,8 @@ class LLM:
         prompts = _prompt_list(prompts)
         if not prompts:
             raise ValueError("prompts is empty: give at least one input")
-        return self._run(prompts, [params] * len(prompts), use_tqdm, "pooling", _per_prompt(lora_request, len(prompts)))
+        return self._run(prompts, [params] * len(prompts), _per_prompt(lora_request, len(prompts)), use_tqdm,
+                         "pooling")
 
     def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
@@ -215,10 +216,10 @@ class LLM:
             if not self.engine.has_request(request_id):
                 return request_id
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams | PoolingParams], use_tqdm: bool,
-             activity: str = "generating", loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Queue one request per prompt and step the engine until each has finished; the outputs
-        in the order of ``prompts``.
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams | PoolingParams],
+             loras: list[LoRARequest | None], use_tqdm: bool, activity: str = "generating") -> list[RequestOutput]:
+        """Queue one request per prompt (with its LoRA adapter, if any) and step the engine until
+        each has finished; the outputs in the order of ``prompts``.
 
         The prompts are queued a batch (``max_num_seqs``) at a time, whenever fewer wait, each
         batch's texts tokenized in one call. A fast tokenizer tokenizes the next batch on a thread
@@ -248,8 +249,7 @@ class LLM:
                     if tokenizer_thread is not None and start + batch < len(prompts):
                         next_batch = tokenizer_thread.submit(processor.tokenize_texts,
                                                              prompts[start + batch:start + 2 * batch])
-                    self._add_requests(tokenized, params[start:start + batch],
-                                       loras[start:start + batch] if loras else [None] * len(tokenized), request_ids)
+                    self._add_requests(tokenized, params[start:start + batch], loras[start:start + batch], request_ids)
                     wanted.update(request_ids[start:])
                 if not self.engine.has_unfinished_requests():
                     break

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from types import ModuleType
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,18 +37,27 @@ class LoRAManager:
         self.wrappers: dict[LoRALinear, list[str]] = {}
         for name, (wrapper, _) in self.targets.items():
             self.wrappers.setdefault(wrapper, []).append(name)
+        self.adapters: dict[int, LoRARequest] = {}  # every adapter the runner's requests named, by id
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self.free_slots = list(range(max_loras - 1, -1, -1))
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # adapter id -> weights, least recently used first
 
-    def prepare_step(self, lora_requests: Sequence[LoRARequest | None], counts: np.ndarray) -> np.ndarray:
-        """Give every adapter of the step's rows a slot, and return the step's mapping for the
-        device, flat int64: the token order, then each slot's start and count (empty when no row
-        has an adapter: the step skips the kernels)."""
-        row_slots = self._slots_for(lora_requests)
-        self.mapping.active = bool((row_slots >= 0).any())
+    def add_adapter(self, lora_request: LoRARequest) -> None:
+        """Remember a new request's adapter, for the step that first needs it in a slot."""
+        self.adapters[lora_request.lora_int_id] = lora_request
+
+    def prepare_step(self, row_adapters: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Give every adapter of the step's rows (``row_adapters``: each row's adapter id from the
+        persistent batch, -1 for none) a slot, and return the step's mapping for the device, flat
+        int64: the token order, then each slot's start and count (empty when no row has an
+        adapter: the step skips the kernels)."""
+        adapted_rows = row_adapters >= 0
+        self.mapping.active = bool(adapted_rows.any())
         if not self.mapping.active:
             return np.zeros(0, dtype=np.int64)
+        ids = np.unique(row_adapters[adapted_rows])
+        row_slots = np.full(len(row_adapters), -1, dtype=np.int64)
+        row_slots[adapted_rows] = self._slots_for(ids.tolist())[np.searchsorted(ids, row_adapters[adapted_rows])]
         token_slots = np.repeat(row_slots, counts)
         adapted = np.flatnonzero(token_slots >= 0)
         order = adapted[np.argsort(token_slots[adapted], kind="stable")]
@@ -65,20 +74,18 @@ class LoRAManager:
         self.mapping.slot_starts.copy_(mapping[num_tokens:num_tokens + slots])
         self.mapping.slot_counts.copy_(mapping[num_tokens + slots:])
 
-    def _slots_for(self, lora_requests: Sequence[LoRARequest | None]) -> np.ndarray:
-        """Each row's slot (-1: the base model), loading the adapters that hold none."""
-        needed = {request.lora_int_id: request for request in lora_requests if request is not None}
-        if len(needed) > self.max_loras:
-            raise RuntimeError(f"a step has {len(needed)} LoRA adapters, over max_loras {self.max_loras}")
-        for lora_id, request in needed.items():
+    def _slots_for(self, lora_ids: list[int]) -> np.ndarray:
+        """The slot of each of a step's adapters, loading those that hold none."""
+        if len(lora_ids) > self.max_loras:
+            raise RuntimeError(f"a step has {len(lora_ids)} LoRA adapters, over max_loras {self.max_loras}")
+        for lora_id in lora_ids:
             if lora_id in self.slot_of:
                 self.slot_of.move_to_end(lora_id)
             else:
-                self._load(request, needed)
-        return np.fromiter((-1 if request is None else self.slot_of[request.lora_int_id]
-                            for request in lora_requests), dtype=np.int64, count=len(lora_requests))
+                self._load(self.adapters[lora_id], lora_ids)
+        return np.asarray([self.slot_of[lora_id] for lora_id in lora_ids], dtype=np.int64)
 
-    def _load(self, request: LoRARequest, needed: dict[int, LoRARequest]) -> None:
+    def _load(self, request: LoRARequest, needed: list[int]) -> None:
         if self.free_slots:
             slot = self.free_slots.pop()
         else:

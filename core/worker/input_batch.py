@@ -4,7 +4,8 @@ tensors across steps, and a step applies only what changed.
 A request takes a row the first time the runner runs it (new, or back after a preemption) and
 gives it back when it finishes or is preempted. Its row holds what a step would otherwise
 rebuild from Python objects: each KV cache group's block table, on the host (the slot mapping is
-computed there) and on the device (the attention kernels read it), and its sampler parameters.
+computed there) and on the device (the attention kernels read it), its sampler parameters, and
+its LoRA adapter's id (``lora_int_id``, -1 for none; the LoRA manager maps ids to slots).
 The scheduler sends only the block ids a table lacks (``SchedulerOutput.block_updates``: a new
 block every ``block_size`` tokens in a decode step), written to both copies; a step's block
 tables and sampler table are then gathers by row, on the device and the host.
@@ -35,6 +36,7 @@ class InputBatch:
         self.block_table = np.zeros((num_groups, 0, 0), dtype=np.int32)  # [groups, rows, columns]
         self.num_blocks = np.zeros(0, dtype=np.int64)  # each row's table width
         self.sampler_table = np.zeros((SAMPLER_FIELDS, 0), dtype=np.float32)
+        self.lora_ids = np.zeros(0, dtype=np.int64)  # each row's adapter id, -1: the base model
         self.device_block_table = torch.zeros(self.block_table.shape, dtype=torch.int32, device=device)
         self._grow(num_rows, num_columns)
 
@@ -99,6 +101,7 @@ class InputBatch:
         row = self.free_rows.pop()
         self.row_of[request.request_id] = row
         self.sampler_table[:, row] = request.sampler_row
+        self.lora_ids[row] = -1 if request.lora_request is None else request.lora_request.lora_int_id
 
     def _grow(self, num_rows: int, num_columns: int) -> None:
         """Grow the rows to ``num_rows`` and the columns to hold ``num_columns`` (rarely: the
@@ -111,6 +114,7 @@ class InputBatch:
         self.num_blocks = np.concatenate([self.num_blocks, np.zeros(num_rows - old_rows, dtype=np.int64)])
         self.sampler_table = np.concatenate(
             [self.sampler_table, np.zeros((SAMPLER_FIELDS, num_rows - old_rows), dtype=np.float32)], axis=1)
+        self.lora_ids = np.concatenate([self.lora_ids, np.full(num_rows - old_rows, -1, dtype=np.int64)])
         self.free_rows = list(range(num_rows - 1, old_rows - 1, -1)) + self.free_rows
         device_table = torch.zeros(table.shape, dtype=torch.int32, device=self.device)
         device_table[:, :old_rows, :old_columns] = self.device_block_table

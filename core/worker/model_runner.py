@@ -264,6 +264,8 @@ class ModelRunner:
                 new.request_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.sampling_params,
                 list(new.mm_items), pooling_params=new.pooling_params, lora_request=new.lora_request)
             self.logits_adjuster.add(self.requests[new.request_id])
+            if new.lora_request is not None and self.lora is not None:
+                self.lora.add_adapter(new.lora_request)
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_logprob_ids[new.request_id] = 0
         for request_id, computed, new_tokens in zip(scheduler_output.request_ids, scheduler_output.num_computed_tokens,
@@ -329,7 +331,7 @@ class ModelRunner:
             slot_mapping = np.pad(slot_mapping, ((0, 0), (0, 1)))
         logits_indices = query_start[1:][np.asarray(scheduler_output.sampling_rows, dtype=np.int64)] - 1
         token_types = self._token_types(requests, counts, positions)
-        lora_mapping = (self.lora.prepare_step([r.lora_request for r in requests], counts)
+        lora_mapping = (self.lora.prepare_step(input_batch.lora_ids[batch.rows], counts)
                         if self.lora is not None else positions[:0])
         # One host->device copy for the whole step (pinned, asynchronous on CUDA).
         parts = [input_ids, positions, slot_mapping.ravel(), logits_indices, seq_lens, query_start, batch.rows,
