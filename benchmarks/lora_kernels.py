@@ -4,10 +4,12 @@ projection of the Llama shapes, against the bytes they must move.
 For ``llama-3.2-1b`` and ``llama-3.1-8b`` (benchmarks/common.py), the four LoRA'd projections of a
 decoder layer: ``qkv`` (three slices), ``o``, ``gate_up`` (two slices) and ``down``, with random
 bf16 adapters of rank R in L slots, at M rows of random bf16 activations, either all in slot 0
-(``one``) or dealt round-robin over the L slots in shuffled order (``spread``). Timed (median of
-``triton.testing.do_bench``, which clears the L2 cache between calls, of the call captured in a
-CUDA graph, as the engine replays a step): the shrink, the expand (into a copy of the layer's
-output), both in a row, and both in a step where no row has an adapter (``idle``).
+(``one``) or dealt round-robin over the L slots in shuffled order (``spread``). Timed as a step
+runs them: ``--layers`` copies of the projection (each its own adapters, activations and output,
+as consecutive decoder layers have), called one after the other in one CUDA graph, the median
+replay (``triton.testing.do_bench``, which clears the L2 cache first) divided by the copies: the
+shrink, the expand (into the layer's output), both in a row, and both in a step where no row has
+an adapter (``idle``: the programs return at once).
 
 The floor: the bytes that must move at the card's HBM rate (``gpu_rates`` in common.py). Shrink:
 the A of the slots with tokens, ``x`` and the shrunk ``[M, N]`` float32 written once; expand: the B
@@ -38,6 +40,7 @@ from hookllm.kernels.triton_lora import ExpandConfig, ShrinkConfig  # noqa: E402
 
 MODELS = ("llama-3.2-1b", "llama-3.1-8b")
 ROWS = "1,64,256"
+LAYERS = 8
 SPREADS = ("one", "spread")
 OPS = ("shrink", "expand", "both")
 # --sweep: every combination of these launch parameters, per kernel.
@@ -55,20 +58,21 @@ def projections(model: str) -> dict[str, tuple[int, tuple[int, ...]]]:
 
 
 class Projection:
-    """One projection's adapters in every slot: A ``[L, slices * R, K]``, B ``[L, OUT, R]``, bf16."""
+    """One projection's adapters in every slot, in each of ``layers`` copies: A ``[L, slices * R, K]``,
+    B ``[L, OUT, R]``, bf16."""
 
-    def __init__(self, model: str, name: str, k: int, widths: tuple[int, ...], rank: int, slots: int):
-        self.model, self.name, self.k, self.rank, self.slots = model, name, k, rank, slots
+    def __init__(self, model: str, name: str, k: int, widths: tuple[int, ...], rank: int, slots: int, layers: int):
+        self.model, self.name, self.k, self.rank, self.slots, self.layers = model, name, k, rank, slots, layers
         self.slice_starts = tuple(sum(widths[:i]) for i in range(len(widths) + 1))
         self.n, self.out = len(widths) * rank, self.slice_starts[-1]
         generator = torch.Generator("cuda").manual_seed(k + self.out)
-        self.lora_a = (k ** -0.5) * torch.randn(slots, self.n, k, device="cuda", generator=generator,
-                                                dtype=torch.bfloat16)
-        self.lora_b = (rank ** -0.5) * torch.randn(slots, self.out, rank, device="cuda", generator=generator,
-                                                   dtype=torch.bfloat16)
+        self.lora_a = [(k ** -0.5) * torch.randn(slots, self.n, k, device="cuda", generator=generator,
+                                                 dtype=torch.bfloat16) for _ in range(layers)]
+        self.lora_b = [(rank ** -0.5) * torch.randn(slots, self.out, rank, device="cuda", generator=generator,
+                                                    dtype=torch.bfloat16) for _ in range(layers)]
 
     def batch(self, rows: int, spread: str) -> dict:
-        """Activations, the layer's output and the slot grouping of ``rows`` tokens."""
+        """Each copy's activations and output, and the slot grouping of ``rows`` tokens."""
         generator = torch.Generator("cuda").manual_seed(rows)
         used = self.slots if spread == "spread" else 1
         slot_of = torch.arange(rows, device="cuda") % used
@@ -77,24 +81,28 @@ class Projection:
         counts = torch.zeros(self.slots, dtype=torch.int32, device="cuda")
         counts[:used] = torch.bincount(slot_of, minlength=used).to(torch.int32)
         starts = (torch.cumsum(counts, 0) - counts).to(torch.int32)
-        return dict(x=torch.randn(rows, self.k, device="cuda", generator=generator, dtype=torch.bfloat16),
-                    y=torch.randn(rows, self.out, device="cuda", generator=generator, dtype=torch.bfloat16),
+        return dict(x=[torch.randn(rows, self.k, device="cuda", generator=generator, dtype=torch.bfloat16)
+                       for _ in range(self.layers)],
+                    y=[torch.randn(rows, self.out, device="cuda", generator=generator, dtype=torch.bfloat16)
+                       for _ in range(self.layers)],
                     grouping=(order, starts, counts), used=min(used, rows))
 
     def calls(self, batch: dict, shrink: ShrinkConfig | None = None, expand: ExpandConfig | None = None) -> dict:
-        """Each timed op on ``batch`` as a function of nothing, at the given configs (default: the engine's)."""
-        x, y, grouping = batch["x"], batch["y"], batch["grouping"]
-        default_shrink, default_expand = self.configs(x.shape[0])
+        """Each timed op over every copy of ``batch`` as a function of nothing, at the given configs
+        (default: the engine's)."""
+        xs, ys, grouping = batch["x"], batch["y"], batch["grouping"]
+        default_shrink, default_expand = self.configs(xs[0].shape[0])
         shrink, expand = shrink or default_shrink, expand or default_expand
-        shrunk = triton_lora.lora_shrink_with(x, self.lora_a, *grouping, shrink)
 
-        def run_shrink() -> torch.Tensor:
-            return triton_lora.lora_shrink_with(x, self.lora_a, *grouping, shrink)
+        def run_shrink() -> list[torch.Tensor]:
+            return [triton_lora.lora_shrink_with(x, a, *grouping, shrink) for x, a in zip(xs, self.lora_a)]
 
-        def run_expand(h: torch.Tensor = shrunk) -> None:
-            triton_lora.lora_expand_with(y, h, self.lora_b, self.slice_starts, *grouping, expand)
+        def run_expand(shrunk: list[torch.Tensor]) -> None:
+            for y, h, b in zip(ys, shrunk, self.lora_b):
+                triton_lora.lora_expand_with(y, h, b, self.slice_starts, *grouping, expand)
 
-        return {"shrink": run_shrink, "expand": run_expand, "both": lambda: run_expand(run_shrink())}
+        shrunk = run_shrink()
+        return {"shrink": run_shrink, "expand": lambda: run_expand(shrunk), "both": lambda: run_expand(run_shrink())}
 
     def widths(self) -> tuple[int, ...]:
         return tuple(end - start for start, end in zip(self.slice_starts, self.slice_starts[1:]))
@@ -107,13 +115,13 @@ class Projection:
     def check(self, rows: int = 64) -> float:
         """||triton - reference|| / ||reference delta|| of shrink then expand (spread), the reference in float32."""
         batch = self.batch(rows, "spread")
-        x, y, grouping = batch["x"], batch["y"], batch["grouping"]
+        x, y, grouping, lora_a, lora_b = batch["x"][0], batch["y"][0], batch["grouping"], self.lora_a[0], self.lora_b[0]
         got = y.clone()
-        triton_lora.lora_expand(got, triton_lora.lora_shrink(x, self.lora_a, *grouping), self.lora_b,
-                                self.slice_starts, *grouping)
+        triton_lora.lora_expand(got, triton_lora.lora_shrink(x, lora_a, *grouping), lora_b, self.slice_starts,
+                                *grouping)
         want = y.float()
-        reference.lora_expand(want, reference.lora_shrink(x.float(), self.lora_a.float(), *grouping),
-                              self.lora_b.float(), self.slice_starts, *grouping)
+        reference.lora_expand(want, reference.lora_shrink(x.float(), lora_a.float(), *grouping), lora_b.float(),
+                              self.slice_starts, *grouping)
         return float((got.float() - want).norm() / (want - y.float()).norm())
 
     def floor_us(self, rows: int, used: int) -> dict[str, float]:
@@ -129,14 +137,16 @@ def sm_count() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
 
 
-def median_us(fn, rep: int = 50) -> float:
-    """Median µs of ``fn`` captured in a CUDA graph and replayed (the host's launches are out of the number)."""
+def median_us(fn, layers: int, rep: int = 50) -> float:
+    """Median µs per layer of ``fn`` (a call on each of ``layers`` copies) captured in a CUDA graph
+    and replayed: neither the host's launches nor the graph's own launch are in the number."""
     fn()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return 1e3 * triton.testing.do_bench(graph.replay, warmup=max(5, rep // 4), rep=rep, return_mode="median")
+    return 1e3 * triton.testing.do_bench(graph.replay, warmup=max(5, rep // 4), rep=rep,
+                                         return_mode="median") / layers
 
 
 def measure(projection: Projection, rows: int, spread: str) -> dict:
@@ -146,10 +156,10 @@ def measure(projection: Projection, rows: int, spread: str) -> dict:
            "slots_used": batch["used"], "k": projection.k, "n": projection.n, "out": projection.out,
            **{f"{op}_config": config.__dict__ for op, config in zip(("shrink", "expand"), projection.configs(rows))}}
     for op, fn in projection.calls(batch).items():
-        us = median_us(fn)
+        us = median_us(fn, projection.layers)
         row[op] = {"us": us, "floor_us": floor[op], "of_floor": floor[op] / us}
     batch["grouping"][2].zero_()  # a step in which no row has an adapter: every program returns at once
-    row["idle_us"] = median_us(projection.calls(batch)["both"])
+    row["idle_us"] = median_us(projection.calls(batch)["both"], projection.layers)
     return row
 
 
@@ -165,7 +175,7 @@ def sweep(projection: Projection, rows: int, spread: str) -> dict:
         times = {}
         for config in candidates:
             try:
-                times[config] = median_us(projection.calls(batch, **{op: config})[op], rep=20)
+                times[config] = median_us(projection.calls(batch, **{op: config})[op], projection.layers, rep=20)
             except triton.runtime.errors.OutOfResources:
                 continue  # tiles past the shared memory
         best = min(times, key=times.get)
@@ -186,13 +196,15 @@ def main() -> None:
     parser.add_argument("--spreads", default=",".join(SPREADS), help="one: every row in slot 0; spread: over all slots")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--slots", type=int, default=8, help="adapter slots L")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="copies of each projection called in a row")
     parser.add_argument("--sweep", action="store_true", help="also time every candidate launch config")
     add_out_argument(parser)
     args = parser.parse_args()
     rows = [int(m) for m in args.rows.split(",")]
     spreads = args.spreads.split(",")
-    layers = [Projection(model, name, k, widths, args.rank, args.slots) for model in args.models.split(",")
-              for name, (k, widths) in projections(model).items() if name in args.projections.split(",")]
+    layers = [Projection(model, name, k, widths, args.rank, args.slots, args.layers)
+              for model in args.models.split(",") for name, (k, widths) in projections(model).items()
+              if name in args.projections.split(",")]
     checks = {}
     for layer in layers:
         checks[f"{layer.model}/{layer.name}"] = error = layer.check()

@@ -5,13 +5,17 @@ N decode steps three times: plain (wall time per step), with host timers around 
 the step, and under torch.profiler (GPU busy time per step = sum of kernel times, top kernels).
 
     python benchmarks/profile_step.py --shape llama-3.2-1b --steps 30 [--sync] [--top-p 0.9 --top-k 50 ...]
+        [--lora-adapters 8 --lora-rank 16]
 
-Sampling options are throughput.py's (temperature 0.6 plus the ones given).
+Sampling options are throughput.py's (temperature 0.6 plus the ones given). With
+``--lora-adapters N``, the engine serves random adapters (lora.py's) and request i runs adapter
+i mod N.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections import defaultdict
@@ -23,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (SHAPES, add_out_argument, commit, device_name, has_weights, instrument,  # noqa: E402
                     kernel_times, now, random_checkpoint, write_result)
+from lora import write_adapter  # noqa: E402
 from throughput import add_sampling_arguments, sampling, sampling_suffix, workload_a  # noqa: E402
 
 from hookllm.worker.model_runner import StepOutput  # noqa: E402
@@ -42,7 +47,7 @@ PARTS = {
 
 # GPU time by part of the model, from kernel names: paged attention and its K/V writes; the MoE
 # layer (router top-k, the expert alignment's sort and scans, the two grouped GEMMs); the rest.
-PART_OF_KERNEL = (("attention", ("attention", "store_kv", "_paged")),
+PART_OF_KERNEL = (("attention", ("attention", "store_kv", "_paged")), ("lora", ("_shrink_kernel", "_expand_kernel")),
                   ("moe", ("_gate_up_kernel", "_down_kernel", "topk", "sort", "scan", "scatter", "searchsorted")))
 
 
@@ -67,21 +72,31 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--sync", action="store_true", help="async_scheduling=False")
+    parser.add_argument("--lora-adapters", type=int, default=0, help="serve this many random LoRA adapters")
+    parser.add_argument("--lora-rank", type=int, default=16)
     add_sampling_arguments(parser)
     add_out_argument(parser)
     args = parser.parse_args()
 
     from hookllm import LLM, SamplingParams
+    from hookllm.lora.request import LoRARequest
 
     path = random_checkpoint(args.shape, Path(args.root))
     dummy = {} if has_weights(path) else dict(load_format="dummy")  # a config-only (MoE) shape
+    lora = (dict(enable_lora=True, max_loras=args.lora_adapters, max_lora_rank=args.lora_rank)
+            if args.lora_adapters else {})
+    config = json.loads((path / "config.json").read_text())
+    adapters = [LoRARequest(f"adapter-{i}", i + 1, str(write_adapter(
+        Path(args.root) / f"lora-{args.shape}-r{args.lora_rank}-{i}", path, config, args.lora_rank, i)))
+        for i in range(args.lora_adapters)]
     llm = LLM(str(path), max_model_len=2048 + 64, max_num_seqs=256, max_num_batched_tokens=8192,
-              async_scheduling=not args.sync, **dummy)
+              async_scheduling=not args.sync, **dummy, **lora)
     engine = llm.engine
     prompts, _ = workload_a(args.num_requests)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt},
-                           SamplingParams(**sampling(args), ignore_eos=True, max_tokens=1000, output_kind="final_only"))
+                           SamplingParams(**sampling(args), ignore_eos=True, max_tokens=1000, output_kind="final_only"),
+                           adapters[i % len(adapters)] if adapters else None)
     while engine.engine_core.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.engine_core.scheduler.running):
         engine.step()
     for _ in range(5):
@@ -106,7 +121,8 @@ def main() -> None:
     rows.update({f"gpu_ms_per_step_{part}": ms for part, ms in sorted(split.items())})
     payload = {"device": device_name(), "date": now(), "commit": commit(), "model": args.shape, "per_step": rows,
                "top_kernels_us_per_step": {name[:80]: 1e6 * seconds / args.steps for name, seconds in kernels[:12]}}
-    mode = ("sync" if args.sync else "async") + sampling_suffix(args)
+    mode = ("sync" if args.sync else "async") + sampling_suffix(args) + (
+        f"-lora{args.lora_adapters}r{args.lora_rank}" if args.lora_adapters else "")
     write_result(f"profile-{args.shape}-{mode}", payload, args.out)
     print(f"\n{args.shape}, {batch} running requests, {args.steps} decode steps, {mode} ({payload['commit']})")
     for key, value in rows.items():

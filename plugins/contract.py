@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Literal, Protocol, Se
 if TYPE_CHECKING:
     import torch
 
+    from hookllm.lora.layers import LoRAProjection
     from hookllm.sched.request import MultiModalItem
 
 
@@ -91,6 +92,18 @@ class Placeholder:
 
     token_id: int
     num_rows: int
+
+
+@runtime_checkable
+class SupportsLoRA(Protocol):
+    """A :class:`ModelProtocol` model that names the projections LoRA adapters may target, for
+    ``enable_lora``. Without it the core finds hookllm's parallel linear layers under
+    ``model.layers.*`` (the native decoders: ``qkv_proj`` and ``gate_up_proj`` each one fused
+    projection of the PEFT modules q/k/v and gate/up)."""
+
+    def lora_projections(self) -> list[LoRAProjection]:
+        """Each projection to wrap: where it is (parent module and attribute), and which PEFT
+        module names its output columns are, in order."""
 
 
 @runtime_checkable

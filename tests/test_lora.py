@@ -161,6 +161,19 @@ def test_an_moe_model_takes_attention_adapters_and_refuses_expert_ones(tmp_path)
     assert "'router'" in message and "experts are not supported" in message
 
 
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_the_transformers_backend_equals_peft_per_request(make_llm, requests, references, tensor_parallel_size):
+    # One process: q/k/v and gate/up fused by hookllm, each one wrapped projection of several
+    # slices; two: the projections split as transformers' plan says, each wrapped alone.
+    llm = make_llm(enable_lora=True, max_loras=3, model_impl="transformers", tensor_parallel_size=tensor_parallel_size,
+                   num_kv_blocks=64)
+    try:
+        batch = mixed_batch(requests)
+        check(run(llm, requests, batch), batch, references)
+    finally:
+        llm.engine.shutdown()
+
+
 def test_triton_kernels_interpreted_equal_peft(make_llm, requests, references):
     llm = make_llm(enable_lora=True, max_loras=3, attention_backend="triton")
     batch = [(None, 0), ("attn", 1), ("all", 2), ("some", 3), ("all", 0)]
@@ -236,6 +249,11 @@ def test_a_lora_request_without_enable_lora_is_refused(make_llm, requests):
     assert "enable_lora" in message and "'attn'" in message
 
 
-def test_a_model_hookllm_cannot_adapt_is_refused_at_start(make_llm):
+def test_a_model_hookllm_cannot_adapt_is_refused_at_start(tmp_path):
+    from transformers import GPT2Config
+
+    # GPT-2's projections are transformers' Conv1D under other names: none a PEFT Llama target.
+    base = testing.build_tiny_checkpoint(GPT2Config(vocab_size=320, n_embd=32, n_layer=2, n_head=2, n_positions=128),
+                                         tmp_path / "gpt2")
     with pytest.raises(ValueError, match="enable_lora: .* has no projections hookllm can adapt"):
-        make_llm(enable_lora=True, model_impl="transformers")
+        LLM(str(base), dtype="float32", device="cpu", enable_lora=True)

@@ -19,12 +19,13 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from hookllm.adapters.transformers import attention, parallel, support
+from hookllm.adapters.transformers import attention, lora, parallel, support
 from hookllm.adapters.transformers.pipeline import StageCut
 from hookllm.adapters.transformers.kernels import head_alone, use_hookllm_modules
 from hookllm.adapters.transformers.weights import build_empty, load_checkpoint_tensors, materialize
 from hookllm.distributed import get_pp_size, get_tp_size
 from hookllm.hub.default_model import cache_dir
+from hookllm.lora.layers import LoRAProjection
 
 
 class TransformersForCausalLM(nn.Module):
@@ -111,6 +112,11 @@ class TransformersForCausalLM(nn.Module):
         folder was cleared, loads it instead of compiling again."""
         if get_tp_size() == 1:
             self._decoder_hidden_states = compile_dynamic(self._run_decoder, backend)
+
+    def lora_projections(self) -> list[LoRAProjection]:
+        """The decoder layers' projections for LoRA adapters (:mod:`.lora`)."""
+        decoder_path = f"{self._decoder_parent}.{self._decoder_name}".lstrip(".")
+        return lora.lora_projections(self.decoder, decoder_path)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The LM head and whatever transformers' CausalLM does after it (Gemma 2's final

@@ -6,7 +6,13 @@ and B ``[slots, out, R]``, R = ``max_lora_rank`` (smaller ranks zero-padded), th
 into B. A fused projection (q/k/v, gate/up) is one wrapper whose slices each have their own A and
 B: one shrink over all slices' A, one expand writing each slice's columns. Every token of a step
 goes through the same two kernel launches whatever its slot, read from :class:`LoRAMapping`,
-whose device buffers CUDA graphs capture.
+whose device buffers CUDA graphs capture. On CUDA the shrink, which needs only the input, runs on
+a second stream while the base layer's GEMM runs (a graph captures the two branches): only the
+expand, which adds into the GEMM's output, lengthens the layer.
+
+The projections are the model's (:class:`hookllm.plugins.contract.SupportsLoRA`), by default
+hookllm's parallel linear layers of the native decoders; a plain ``nn.Linear`` (the transformers
+backend's) is wrapped the same way, its input of any leading shape.
 
 Tensor parallel: a column-parallel projection keeps A whole (its input is replicated) and this
 rank's rows of B; a row-parallel one (o, down) keeps its columns of A, sums the shrunk [T, R]
@@ -16,6 +22,7 @@ the base layer's own all-reduce, or by rank 0 alone into a partial sum left to a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -30,24 +37,39 @@ FUSED_SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("ga
 ADAPTABLE = (QKVParallelLinear, MergedColumnParallelLinear, ColumnParallelLinear, RowParallelLinear)
 
 
+@dataclass(frozen=True)
+class LoRAProjection:
+    """A projection adapters may target: ``parent``'s child ``attr``, whose output columns are the
+    PEFT modules ``slices`` under ``prefix`` (``model.layers.3.self_attn``), of ``widths`` columns
+    each (None: a parallel layer's own shards, or its whole output)."""
+
+    prefix: str
+    parent: nn.Module
+    attr: str
+    slices: tuple[str, ...]
+    widths: tuple[int, ...] | None = None
+
+
 class LoRAMapping:
     """Which tokens of the step run which slot, on the device (read by every wrapped projection):
     ``token_order`` holds the token indices grouped by slot, slot ``s``'s from ``slot_starts[s]``,
     ``slot_counts[s]`` of them. ``active`` (host): whether any token of the step has an adapter;
-    a step without one skips the kernels, except inside CUDA graphs, which always launch them."""
+    a step without one skips the kernels (and replays graphs captured without them), so these
+    buffers are written only for steps that read them."""
 
     def __init__(self, num_slots: int, max_tokens: int, device: torch.device):
         self.token_order = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.slot_starts = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self.slot_counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
-        self.active = True  # until the first step says otherwise: graphs are captured with the kernels
+        self.active = False  # set by each step (LoRAManager.prepare_step) and by the CUDA graph capture
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
 class LoRALinear(nn.Module):
     """``base`` (a parallel linear layer, loaded) plus each token's slot's delta."""
 
-    def __init__(self, base: nn.Module, slices: tuple[str, ...], num_slots: int, max_rank: int,
-                 mapping: LoRAMapping, kernels: ModuleType, dtype: torch.dtype):
+    def __init__(self, base: nn.Module, slices: tuple[str, ...], widths: tuple[int, ...] | None, num_slots: int,
+                 max_rank: int, mapping: LoRAMapping, kernels: ModuleType, dtype: torch.dtype):
         super().__init__()
         self.base = base
         self.slices = slices
@@ -55,11 +77,13 @@ class LoRALinear(nn.Module):
         self.mapping = mapping
         self.kernels = kernels
         out_size, in_size = base.weight.shape
-        if isinstance(base, (QKVParallelLinear, MergedColumnParallelLinear)):
-            offsets = [base.shard_offsets[shard] for shard in _shard_names(base)]
+        if widths is not None:
+            starts = [sum(widths[:i]) for i in range(len(widths))]
+        elif isinstance(base, (QKVParallelLinear, MergedColumnParallelLinear)):
+            starts = [base.shard_offsets[shard][0] for shard in _shard_names(base)]
         else:
-            offsets = [(0, out_size)]
-        self.slice_starts = tuple(start for start, _ in offsets) + (out_size,)
+            starts = [0]
+        self.slice_starts = tuple(starts) + (out_size,)
         device = base.weight.device
         # Persistent buffers: the engine's memory budget counts them with the weights.
         self.register_buffer("lora_a", torch.zeros(num_slots, len(slices) * max_rank, in_size, dtype=dtype,
@@ -68,21 +92,36 @@ class LoRALinear(nn.Module):
         self.row_parallel = isinstance(base, RowParallelLinear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         mapping = self.mapping
         if not mapping.active:
-            return y
-        shrunk = self.kernels.lora_shrink(x, self.lora_a, mapping.token_order, mapping.slot_starts,
-                                          mapping.slot_counts)
+            return self.base(x)
+        rows = x.reshape(-1, x.shape[-1])  # the transformers backend's [1, T, in]
+        side = mapping.side_stream
+        if side is None:
+            y = self.base(x)
+            shrunk = self._shrink(rows)
+        else:
+            # Every use of the side stream starts after the main stream's work so far, so the
+            # buffers it reads or reuses are no longer needed there; the main one waits for it.
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shrunk = self._shrink(rows)
+            y = self.base(x)
+            main.wait_stream(side)
         base = self.base
         if self.row_parallel and base.tp_size > 1:
             # Each rank shrank its columns of x: the sum over ranks is the whole product.
             shrunk = tensor_model_parallel_all_reduce(shrunk.sum(0, keepdim=True))
             if not base.reduce_results and base.tp_rank != 0:
                 return y  # a partial sum: rank 0 adds the delta once
-        self.kernels.lora_expand(y, shrunk, self.lora_b, self.slice_starts, mapping.token_order,
+        self.kernels.lora_expand(y.view(-1, y.shape[-1]), shrunk, self.lora_b, self.slice_starts, mapping.token_order,
                                  mapping.slot_starts, mapping.slot_counts)
         return y
+
+    def _shrink(self, x: torch.Tensor) -> torch.Tensor:
+        mapping = self.mapping
+        return self.kernels.lora_shrink(x, self.lora_a, mapping.token_order, mapping.slot_starts, mapping.slot_counts)
 
     def set_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Load slot ``slot`` with one (A [r, in], B [out, r]) per slice, full checkpoint shapes
@@ -90,14 +129,18 @@ class LoRALinear(nn.Module):
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         base, rank = self.base, self.max_rank
-        first_col, cols, _ = base._in_range()
-        shards = _shard_names(base) if len(self.slices) > 1 else [None]
+        sharded = hasattr(base, "_in_range")  # a parallel layer; else a whole nn.Linear
+        first_col, cols, _ = base._in_range() if sharded else (0, base.weight.shape[1], None)
+        shards = _shard_names(base) if sharded and len(self.slices) > 1 else [None] * len(self.slices)
         for index, (shard, pair) in enumerate(zip(shards, weights)):
             if pair is None:
                 continue
             a, b = pair
             r = a.shape[0]
-            local_row, row, rows, _ = base._out_range(shard)
+            if sharded:
+                local_row, row, rows, _ = base._out_range(shard)
+            else:
+                local_row, row, rows = self.slice_starts[index], 0, b.shape[0]
             self.lora_a[slot, index * rank:index * rank + r].copy_(a[:, first_col:first_col + cols])
             self.lora_b[slot, local_row:local_row + rows, :r].copy_(b[row:row + rows])
 
@@ -106,21 +149,29 @@ def _shard_names(base: nn.Module) -> list[str]:
     return list(base.shard_offsets) if hasattr(base, "shard_offsets") else []
 
 
-def wrap_projections(model: nn.Module, num_slots: int, max_rank: int, mapping: LoRAMapping,
-                     kernels: ModuleType, dtype: torch.dtype) -> dict[str, tuple[LoRALinear, int]]:
-    """Replace every decoder layer's q/k/v, o, gate/up and down projection of ``model`` by a
-    :class:`LoRALinear` (its slots in ``dtype``, the activations'); returns each PEFT module
-    name's (wrapper, slice index)."""
-    targets: dict[str, tuple[LoRALinear, int]] = {}
-    for name, module in list(model.named_modules()):
+def parallel_projections(model: nn.Module) -> list[LoRAProjection]:
+    """The native decoders' projections: hookllm's parallel linear layers under ``model.layers.*``,
+    ``qkv_proj`` and ``gate_up_proj`` each one projection of its PEFT modules."""
+    projections = []
+    for name, module in model.named_modules():
         parent_name, _, attr = name.rpartition(".")
-        if not isinstance(module, ADAPTABLE) or not parent_name.startswith("model.layers."):
-            continue
-        slices = FUSED_SLICES.get(attr, (attr,))
-        wrapper = LoRALinear(module, slices, num_slots, max_rank, mapping, kernels, dtype)
-        setattr(model.get_submodule(parent_name), attr, wrapper)
-        for index, peft_name in enumerate(slices):
-            targets[f"{parent_name}.{peft_name}"] = (wrapper, index)
+        if isinstance(module, ADAPTABLE) and parent_name.startswith("model.layers."):
+            projections.append(LoRAProjection(parent_name, model.get_submodule(parent_name), attr,
+                                              FUSED_SLICES.get(attr, (attr,))))
+    return projections
+
+
+def wrap_projections(projections: list[LoRAProjection], num_slots: int, max_rank: int, mapping: LoRAMapping,
+                     kernels: ModuleType, dtype: torch.dtype) -> dict[str, tuple[LoRALinear, int]]:
+    """Replace each projection by a :class:`LoRALinear` (its slots in ``dtype``, the
+    activations'); returns each PEFT module name's (wrapper, slice index)."""
+    targets: dict[str, tuple[LoRALinear, int]] = {}
+    for projection in projections:
+        base = getattr(projection.parent, projection.attr)
+        wrapper = LoRALinear(base, projection.slices, projection.widths, num_slots, max_rank, mapping, kernels, dtype)
+        setattr(projection.parent, projection.attr, wrapper)
+        for index, peft_name in enumerate(projection.slices):
+            targets[f"{projection.prefix}.{peft_name}"] = (wrapper, index)
     return targets
 
 

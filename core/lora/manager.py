@@ -9,6 +9,7 @@ queued on the device's stream after the step in flight, which may still read the
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from types import ModuleType
 from typing import Any
@@ -17,9 +18,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from hookllm.lora.adapter import LoRAAdapter, load_adapter
-from hookllm.lora.layers import LoRALinear, LoRAMapping, wrap_projections
+from hookllm.lora.adapter import LoRAAdapter, load_adapter, target_shapes
+from hookllm.lora.layers import LoRALinear, LoRAMapping, parallel_projections, wrap_projections
 from hookllm.lora.request import LoRARequest
+from hookllm.plugins.contract import SupportsLoRA
 
 
 class LoRAManager:
@@ -29,10 +31,12 @@ class LoRAManager:
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.dtype = dtype
         self.mapping = LoRAMapping(max_loras, max_tokens, device)
-        self.targets = wrap_projections(model, max_loras, max_lora_rank, self.mapping, kernels, dtype)
+        projections = model.lora_projections() if isinstance(model, SupportsLoRA) else parallel_projections(model)
+        self.targets = wrap_projections(projections, max_loras, max_lora_rank, self.mapping, kernels, dtype)
         if not self.targets:
-            raise ValueError(f"enable_lora: {type(model).__name__} has no projections hookllm can adapt (the native "
-                             "Llama-family decoders' q/k/v, o, gate/up and down)")
+            raise ValueError(f"enable_lora: {type(model).__name__} has no projections hookllm can adapt (the "
+                             "Llama-family decoders' q/k/v, o, gate/up and down, natively or through transformers)")
+        _check_every_target_wrapped(model, hf_config, self.targets)
         # Each wrapper's PEFT module names, one per slice in order.
         self.wrappers: dict[LoRALinear, list[str]] = {}
         for name, (wrapper, _) in self.targets.items():
@@ -105,3 +109,18 @@ class LoRAManager:
                 self.host.popitem(last=False)
         self.host.move_to_end(request.lora_int_id)
         return adapter
+
+
+def _check_every_target_wrapped(model: nn.Module, hf_config: Any, targets: dict[str, Any]) -> None:
+    """Adapters are checked against the config's projections (:func:`target_shapes`): each of
+    those in the model's layers (a pipeline stage's) must be wrapped, or an adapter's weights for
+    it would be dropped unseen."""
+    def layer(name: str) -> str | None:
+        match = re.search(r"\.layers\.(\d+)\.", name)
+        return match and match.group(1)
+
+    present = {layer(name) for name in targets}
+    missing = [name for name in target_shapes(hf_config) if layer(name) in present and name not in targets]
+    if missing:
+        raise ValueError(f"enable_lora: {type(model).__name__} has no adaptable projection for "
+                         f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")

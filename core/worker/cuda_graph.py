@@ -16,6 +16,10 @@ Inputs live in static buffers that each replay reads.
 Attention is captured with ``max_seq_len = max_model_len``, so one graph serves every context
 length (the kernels read the real lengths from ``seq_lens``). The slot mapping and block tables
 have one plane per KV cache group; each layer's kernels read its group's plane.
+
+With LoRA (a ``lora_mapping``), every bucket has two graphs: one launching the adapters' kernels
+(which read the step's token-to-slot mapping from the mapping's buffers) and one without them,
+replayed by steps where no row has an adapter, so those cost what they cost without LoRA.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from hookllm.lora.layers import LoRAMapping
 from hookllm.worker.forward_context import AttentionMetadata, set_forward_context
 
 
@@ -47,8 +52,10 @@ def token_buckets(max_tokens: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(self, model: nn.Module, hidden_size: int, dtype: torch.dtype, device: torch.device,
                  max_batch_size: int, max_blocks_per_seq: int, max_model_len: int, backend: ModuleType,
-                 max_mixed_tokens: int = 0, max_num_seqs: int = 0, num_kv_cache_groups: int = 1):
+                 max_mixed_tokens: int = 0, max_num_seqs: int = 0, num_kv_cache_groups: int = 1,
+                 lora_mapping: LoRAMapping | None = None):
         self.model = model
+        self.lora_mapping = lora_mapping
         self.max_model_len = max_model_len
         self.backend = backend
         self.buckets = batch_size_buckets(max_batch_size)
@@ -66,8 +73,9 @@ class CudaGraphRunner:
         self.decode_query_start_loc = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
         self.mixed_query_start_loc = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
         self.hidden_states = torch.empty(tokens, hidden_size, dtype=dtype, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Keyed by (bucket, whether the LoRA kernels run).
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.mixed_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._capture_all()
 
     def _decode_metadata(self, bs: int) -> AttentionMetadata:
@@ -93,14 +101,18 @@ class CudaGraphRunner:
         # largest activations, so they go first.
         captures = ([(tokens, self._mixed_metadata(tokens), self.mixed_graphs) for tokens in reversed(self.mixed_buckets)]
                     + [(bs, self._decode_metadata(bs), self.graphs) for bs in reversed(self.buckets)])
+        lora_modes = (True, False) if self.lora_mapping is not None else (False,)
         for n, metadata, graphs in captures:
-            with set_forward_context(metadata):
-                self.model(self.input_ids[:n], self.positions[:n])  # warm-up: compile and autotune
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.hidden_states[:n] = self.model(self.input_ids[:n], self.positions[:n])
-            pool = graph.pool() if pool is None else pool
-            graphs[n] = graph
+            for with_lora in lora_modes:
+                if self.lora_mapping is not None:
+                    self.lora_mapping.active = with_lora
+                with set_forward_context(metadata):
+                    self.model(self.input_ids[:n], self.positions[:n])  # warm-up: compile and autotune
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self.hidden_states[:n] = self.model(self.input_ids[:n], self.positions[:n])
+                pool = graph.pool() if pool is None else pool
+                graphs[n, with_lora] = graph
         torch.cuda.synchronize()
 
     def can_run(self, num_tokens: int, num_seqs: int, max_query_len: int, num_blocks: int) -> bool:
@@ -118,6 +130,7 @@ class CudaGraphRunner:
         ``slot_mapping`` and ``block_tables`` have a leading KV cache group dimension."""
         n, seqs = input_ids.shape[0], seq_lens.shape[0]
         decode = max_query_len == 1
+        with_lora = self.lora_mapping is not None and self.lora_mapping.active
         padded = next(b for b in (self.buckets if decode else self.mixed_buckets) if b >= n)
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
@@ -127,10 +140,10 @@ class CudaGraphRunner:
         self.seq_lens[:seqs] = seq_lens
         if decode:
             self.seq_lens[n:padded] = 1
-            self.graphs[padded].replay()
+            self.graphs[padded, with_lora].replay()
         else:
             self.seq_lens[seqs:self.max_num_seqs] = 0
             self.mixed_query_start_loc[: seqs + 1] = query_start_loc
             self.mixed_query_start_loc[seqs + 1:] = n
-            self.mixed_graphs[padded].replay()
+            self.mixed_graphs[padded, with_lora].replay()
         return self.hidden_states[:n]

@@ -127,7 +127,10 @@ class Worker:
                                  config.max_cpu_loras, max(config.max_num_batched_tokens, config.max_num_seqs),
                                  self.device, self.dtype, lora_kernels(backend))
                      if config.enable_lora else None)
-        if self.uses_cuda_graphs and config.torch_compile and capability(model, "supports_torch_compile"):
+        # With LoRA the decoder stays eager inside the graphs: the adapters' layers choose kernels and
+        # switch streams in Python, which torch.compile would break its graph on at every projection.
+        if (self.uses_cuda_graphs and config.torch_compile and capability(model, "supports_torch_compile")
+                and self.lora is None):
             model.use_torch_compile()  # compiled by the CUDA-graph warm-up below, before any request
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         if not self.attention_layers:
@@ -169,6 +172,7 @@ class Worker:
                 max_model_len=model_config.max_model_len, backend=self.attention_backend,
                 max_mixed_tokens=min(config.max_cuda_graph_tokens, config.max_num_batched_tokens),
                 max_num_seqs=config.max_num_seqs, num_kv_cache_groups=self.kv_cache_groups.num_groups,
+                lora_mapping=self.lora.mapping if self.lora is not None else None,
             )
             phase("cuda_graphs")
         # Compiling on first use would land in the first requests' latency (hookllm.worker.warmup).

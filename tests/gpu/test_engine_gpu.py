@@ -21,14 +21,6 @@ def _bf16_reference(path):
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).cuda().eval()
 
 
-@pytest.fixture(scope="module")
-def small_llama(tmp_path_factory):
-    # Large enough for realistic kernel tiles: hidden 256, 4 layers, GQA 4:1, contexts up to 2048.
-    config = testing.tiny_llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048)
-    return testing.build_tiny_checkpoint(config, tmp_path_factory.mktemp("gpu-llama"))
-
-
 def test_defaults_on_cuda_are_bf16_triton_and_a_memory_sized_cache(small_llama):
     llm = LLM(str(small_llama))
     worker = llm.engine.engine_core.executor

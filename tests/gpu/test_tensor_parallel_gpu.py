@@ -16,13 +16,6 @@ pytestmark = [pytest.mark.gpu,
 PROMPTS = testing.random_prompts(8, 320, min_len=20, max_len=200, seed=11)
 
 
-@pytest.fixture(scope="module")
-def small_llama(tmp_path_factory):
-    config = testing.tiny_llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048)
-    return testing.build_tiny_checkpoint(config, tmp_path_factory.mktemp("gpu-tp-llama"))
-
-
 def outputs(path, dtype: str, tp: int, enforce_eager: bool = False):
     llm = LLM(str(path), dtype=dtype, tensor_parallel_size=tp, gpu_memory_utilization=0.3,
               enforce_eager=enforce_eager)
