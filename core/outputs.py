@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import msgspec
+
+if TYPE_CHECKING:
+    from hookllm.lora.request import LoRARequest
 
 
 @dataclass
@@ -134,6 +137,7 @@ class RequestOutput:
     prompt_logprobs: list[LogprobsEntry | None] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    lora_request: LoRARequest | None = None  # the adapter the request ran with
 
 
 @dataclass

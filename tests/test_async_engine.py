@@ -134,7 +134,7 @@ def test_a_slow_consumer_gets_the_deltas_that_piled_up_as_one(engine, make_llm):
 
 
 def test_merged_deltas_join_text_tokens_and_logprobs_and_keep_the_head():
-    head = PromptHead("Hi", [5, 6], None, 0)
+    head = PromptHead("Hi", [5, 6], None, 0, None)
     first = OutputDelta("r", False, head, [CompletionDelta(0, "He", [1], -0.5, [{1: "a"}], None, None)], None)
     later = OutputDelta("r", True, None, [CompletionDelta(0, "llo", [2, 3], -1.5, [{2: "b"}, {3: "c"}], "length",
                                                           None)], "metrics")

@@ -80,6 +80,13 @@ def test_a_mixed_batch_equals_peft_per_request(make_llm, requests, references, a
     check(run(llm, requests, batch), batch, references)
 
 
+def test_each_output_names_the_adapter_its_request_ran_with(make_llm, requests):
+    llm = make_llm(enable_lora=True, max_loras=3)
+    batch = mixed_batch(requests)[:4]
+    for output, (name, _) in zip(run(llm, requests, batch, prompt_logprobs_too=False), batch):
+        assert output.lora_request == (None if name is None else requests[name])
+
+
 def test_chunked_prefill_and_preemption_keep_each_adapter(make_llm, requests, references):
     # 16-token steps chunk every prompt; 12 blocks of 16 hold few requests at once, so some are
     # preempted and recomputed (with their adapter) while others run.

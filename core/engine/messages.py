@@ -58,6 +58,7 @@ class PromptHead(msgspec.Struct, **STRUCT_OPTIONS):
     prompt_token_ids: list[int]
     prompt_logprobs: list[dict[int, Logprob] | None] | None
     num_cached_tokens: int
+    lora_request: LoRARequest | None
 
 
 class CompletionDelta(msgspec.Struct, **STRUCT_OPTIONS):
@@ -115,8 +116,8 @@ decode_report = msgspec.msgpack.Decoder(EngineReport).decode
 
 
 def pack_output(output: RequestOutput, with_head: bool) -> OutputDelta:
-    head = (PromptHead(output.prompt, output.prompt_token_ids, output.prompt_logprobs, output.num_cached_tokens)
-            if with_head else None)
+    head = (PromptHead(output.prompt, output.prompt_token_ids, output.prompt_logprobs, output.num_cached_tokens,
+                       output.lora_request) if with_head else None)
     completions = [CompletionDelta(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason,
                                    c.stop_reason) for c in output.outputs]
     return OutputDelta(output.request_id, output.finished, head, completions,
@@ -167,7 +168,7 @@ class OutputStream:
             if completion.logprobs is not None:
                 completion.logprobs.decode_with(self.token_texts)
         return RequestOutput(delta.request_id, head.prompt, head.prompt_token_ids, completions, delta.finished,
-                             head.prompt_logprobs, delta.metrics, head.num_cached_tokens)
+                             head.prompt_logprobs, delta.metrics, head.num_cached_tokens, head.lora_request)
 
 
 def rebuild_error(error: tuple[str, str]) -> Exception:

@@ -67,7 +67,7 @@ class ParentRequest:
         else:
             completions = [completion]
         return RequestOutput(self.request_id, output.prompt, output.prompt_token_ids, completions,
-                             self.finished, num_cached_tokens=self.num_cached_tokens)
+                             self.finished, num_cached_tokens=self.num_cached_tokens, lora_request=output.lora_request)
 
 
 class RequestState:
@@ -75,7 +75,7 @@ class RequestState:
 
     __slots__ = ("request_id", "parent", "prompt", "prompt_token_ids", "params", "detokenizer", "token_ids",
                  "text", "logprobs", "cumulative_logprob", "prompt_logprobs", "metrics", "sent_text",
-                 "sent_tokens", "finish_reason", "stop_reason", "num_cached_tokens", "stop_matcher")
+                 "sent_tokens", "finish_reason", "stop_reason", "num_cached_tokens", "stop_matcher", "lora_request")
 
     def __init__(self, request: EngineCoreRequest, parent: ParentRequest | None, tokenizer: Any | None,
                  stop_automaton: StopStringAutomaton | None, token_texts: TokenTexts | None):
@@ -84,6 +84,7 @@ class RequestState:
         self.parent = parent
         self.prompt = request.prompt
         self.prompt_token_ids = request.prompt_token_ids
+        self.lora_request = request.lora_request
         self.params = params
         self.detokenizer = (IncrementalDetokenizer(tokenizer, request.prompt_token_ids, params.skip_special_tokens)
                             if tokenizer is not None and params.detokenize else None)
@@ -278,7 +279,7 @@ class OutputProcessor:
         # The prompt's list is shared, not copied: a request's prompt ids never change, and
         # copying every prompt for every streamed step costs milliseconds.
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
-                             state.prompt_logprobs, state.metrics, state.num_cached_tokens)
+                             state.prompt_logprobs, state.metrics, state.num_cached_tokens, state.lora_request)
 
     def _complete(self, state: RequestState) -> None:
         """An engine request has ended: the lifecycle hook gets its user request's complete
@@ -288,7 +289,7 @@ class OutputProcessor:
         parent = state.parent
         if parent is None:
             output = RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], True,
-                                   state.prompt_logprobs, state.metrics, state.num_cached_tokens)
+                                   state.prompt_logprobs, state.metrics, state.num_cached_tokens, state.lora_request)
         else:
             completion.index = parent.index[state.request_id]
             parent.final[completion.index] = completion
@@ -296,7 +297,8 @@ class OutputProcessor:
                 return
             output = RequestOutput(parent.request_id, state.prompt, state.prompt_token_ids,
                                    [parent.final[i] for i in range(len(parent.child_ids))], True,
-                                   metrics=state.metrics, num_cached_tokens=parent.num_cached_tokens)
+                                   metrics=state.metrics, num_cached_tokens=parent.num_cached_tokens,
+                                   lora_request=state.lora_request)
         self.completed_hook(output=output, context=self.hooks.context)
 
     def _texts(self, row: LogprobsRow, state: RequestState) -> list[str] | None:
