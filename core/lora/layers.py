@@ -58,9 +58,12 @@ class LoRAMapping:
     buffers are written only for steps that read them."""
 
     def __init__(self, num_slots: int, max_tokens: int, device: torch.device):
-        self.token_order = torch.zeros(max_tokens, dtype=torch.int32, device=device)
-        self.slot_starts = torch.zeros(num_slots, dtype=torch.int32, device=device)
-        self.slot_counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        # One buffer, so that a step's mapping is one copy: the starts, the counts, then the order
+        # from a 16-byte boundary (Triton compiles a kernel variant per pointer alignment).
+        self.order_offset = -(-2 * num_slots // 4) * 4
+        self.buffer = torch.zeros(self.order_offset + max_tokens, dtype=torch.int32, device=device)
+        self.slot_starts, self.slot_counts = self.buffer[:num_slots], self.buffer[num_slots:2 * num_slots]
+        self.token_order = self.buffer[self.order_offset:]
         self.active = False  # set by each step (LoRAManager.prepare_step) and by the CUDA graph capture
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 

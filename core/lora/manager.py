@@ -53,8 +53,8 @@ class LoRAManager:
     def prepare_step(self, row_adapters: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Give every adapter of the step's rows (``row_adapters``: each row's adapter id from the
         persistent batch, -1 for none) a slot, and return the step's mapping for the device, flat
-        int64: the token order, then each slot's start and count (empty when no row has an
-        adapter: the step skips the kernels)."""
+        int64: each slot's start and count, then the token order (laid out as
+        :class:`LoRAMapping`'s buffer; empty when no row has an adapter: the step skips the kernels)."""
         adapted_rows = row_adapters >= 0
         self.mapping.active = bool(adapted_rows.any())
         if not self.mapping.active:
@@ -66,17 +66,13 @@ class LoRAManager:
         adapted = np.flatnonzero(token_slots >= 0)
         order = adapted[np.argsort(token_slots[adapted], kind="stable")]
         slot_counts = np.bincount(token_slots[adapted], minlength=self.max_loras)
-        return np.concatenate([order, np.cumsum(slot_counts) - slot_counts, slot_counts])
+        padding = np.zeros(self.mapping.order_offset - 2 * self.max_loras, dtype=np.int64)
+        return np.concatenate([np.cumsum(slot_counts) - slot_counts, slot_counts, padding, order])
 
     def apply_step(self, mapping: torch.Tensor) -> None:
-        """Copy ``prepare_step``'s mapping, now on the device, into the buffers the layers read."""
-        if mapping.shape[0] == 0:
-            return
-        slots = self.max_loras
-        num_tokens = mapping.shape[0] - 2 * slots
-        self.mapping.token_order[:num_tokens].copy_(mapping[:num_tokens])
-        self.mapping.slot_starts.copy_(mapping[num_tokens:num_tokens + slots])
-        self.mapping.slot_counts.copy_(mapping[num_tokens + slots:])
+        """Copy ``prepare_step``'s mapping, now on the device, into the buffer the layers read."""
+        if mapping.shape[0]:
+            self.mapping.buffer[:mapping.shape[0]].copy_(mapping)
 
     def _slots_for(self, lora_ids: list[int]) -> np.ndarray:
         """The slot of each of a step's adapters, loading those that hold none."""
