@@ -14,12 +14,13 @@ import torch
 from hookllm.lora.request import LoRARequest
 
 # Three adapters of different ranks, targets and scalings: attention only; every projection with
-# rsLoRA; a few projections with per-module rank and alpha patterns (down's rank 8, gate's alpha 32).
+# rsLoRA; a few projections, the token embedding and the LM head, with per-module rank and alpha
+# patterns (down's rank 8, gate's alpha 32).
 ADAPTER_SPECS: dict[str, dict[str, Any]] = {
     "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     "all": dict(r=16, lora_alpha=8, use_rslora=True,
                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-    "some": dict(r=4, lora_alpha=4, target_modules=["v_proj", "gate_proj", "down_proj"],
+    "some": dict(r=4, lora_alpha=4, target_modules=["v_proj", "gate_proj", "down_proj", "embed_tokens", "lm_head"],
                  rank_pattern={"down_proj": 8}, alpha_pattern={"gate_proj": 32}),
 }
 
@@ -40,7 +41,7 @@ def build_adapter(base_dir: Path, path: Path, seed: int, **lora_config: Any) -> 
         for name, parameter in model.named_parameters():
             if "lora_" in name:
                 parameter.normal_(0.0, 0.3)
-    model.save_pretrained(str(path))
+    model.save_pretrained(str(path), save_embedding_layers=False)  # the vocabulary is the base model's
     return path
 
 

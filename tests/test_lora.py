@@ -232,6 +232,16 @@ def test_tensors_of_another_shape_are_refused(llm, adapters, tmp_path):
     assert "'narrow'" in message and "q_proj" in message and "[64, r]" in message
 
 
+def test_an_adapter_that_saves_the_whole_embedding_is_refused(llm, adapters, tmp_path):
+    # PEFT's save_embedding_layers (its default when the embedding is a target) stores the whole
+    # table too, as for a resized vocabulary, which the base model's embedding cannot stand for.
+    tensors = load_file(str(adapters["attn"] / "adapter_model.safetensors"))
+    tensors["base_model.model.model.embed_tokens.base_layer.weight"] = torch.zeros(320, 64)
+    path = copy_adapter(adapters["attn"], tmp_path / "whole", tensors=tensors)
+    message = refused(llm, LoRARequest("whole", 13, str(path)))
+    assert "'whole'" in message and "save_embedding_layers=False" in message
+
+
 def test_an_adapter_of_another_base_model_is_refused(llm, adapters, tmp_path):
     path = copy_adapter(adapters["attn"], tmp_path / "other", {"base_model_name_or_path": "org/another-model"})
     message = refused(llm, LoRARequest("other", 13, str(path)))

@@ -325,7 +325,7 @@ def test_logits_skip_the_causal_lm_forward_only_when_it_adds_nothing_to_the_head
     its head's logits: Gemma 2's final soft-cap, Cohere's logit scale, Granite's scaling."""
     path = testing.build_tiny_checkpoint(CASES[name].config(), tmp_path / name)
     model = LLM(str(path), dtype="float32", device="cpu", model_impl="transformers").engine.engine_core.executor.model
-    assert (model._plain_head is not None) == head_alone
+    assert model._head_alone == head_alone
 
 
 DENSE = ["llama", "gemma2-softcap-window", "gemma3-text-window", "phi3", "olmo2", "granite-scalings",

@@ -65,7 +65,7 @@ class TransformersForCausalLM(nn.Module):
         specs = attention.probe(self.hf_model, self._probe_forward, first_layer)
         self.attention = nn.ModuleList(attention.PagedLayer(spec) for spec in specs)
         self._head_input = StandIn()
-        self._plain_head: nn.Module | None = None  # set by load_weights
+        self._head_alone = False  # whether the logits are the output embeddings' alone (set by load_weights)
         self._route = attention.PagedRoute(self.attention, first_layer)
 
     @property
@@ -116,13 +116,13 @@ class TransformersForCausalLM(nn.Module):
     def lora_projections(self) -> list[LoRAProjection]:
         """The decoder layers' projections for LoRA adapters (:mod:`.lora`)."""
         decoder_path = f"{self._decoder_parent}.{self._decoder_name}".lstrip(".")
-        return lora.lora_projections(self.decoder, decoder_path)
+        return lora.lora_projections(self.hf_model, self.decoder, decoder_path)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The LM head and whatever transformers' CausalLM does after it (Gemma 2's final
         soft-cap, Cohere's ``logit_scale``, Granite's ``logits_scaling``...); see :meth:`load_weights`."""
-        if self._plain_head is not None:
-            return self._plain_head(hidden_states)
+        if self._head_alone:  # looked up at each call: a LoRA wrapper may have taken the head's place
+            return self.hf_model.get_output_embeddings()(hidden_states)
         return self._causal_lm_logits(hidden_states)
 
     def _causal_lm_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -139,7 +139,7 @@ class TransformersForCausalLM(nn.Module):
         forward costs the host about as much as a decode step's sampling)."""
         load_checkpoint_tensors(self.hf_model, weights)
         use_hookllm_modules(self.hf_model)
-        self._plain_head = head_alone(self.hf_model.get_output_embeddings(), self._causal_lm_logits)
+        self._head_alone = head_alone(self.hf_model.get_output_embeddings(), self._causal_lm_logits) is not None
 
 
 def compile_dynamic(fn: Any, backend: str) -> Any:

@@ -2,7 +2,8 @@
 
 PEFT saves ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``, ``target_modules``,
 per-module ``rank_pattern`` / ``alpha_pattern``) and ``adapter_model.safetensors``, whose tensors
-are named ``base_model.model.<module>.lora_A.weight`` ([r, in]) and ``...lora_B.weight`` ([out, r]).
+are named ``base_model.model.<module>.lora_A.weight`` ([r, in]) and ``...lora_B.weight`` ([out, r])
+(an embedding's ``...lora_embedding_A`` [r, vocab] and ``...lora_embedding_B`` [hidden, r]).
 A module's delta is ``x A^T B^T * scaling``, ``scaling = alpha / r`` (``alpha / sqrt(r)`` with
 rsLoRA), ``r`` and ``alpha`` the module's own (its pattern's, else the adapter's). The scaling is
 folded into B here, once, so the kernels only multiply and add.
@@ -32,7 +33,7 @@ from hookllm.lora.request import LoRARequest
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _MODULE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
-_TENSOR = re.compile(r"^base_model\.model\.(.+)\.lora_(A|B)\.weight$")
+_TENSOR = re.compile(r"^base_model\.model\.(.+)\.lora_(?:embedding_(A|B)|(A|B)\.weight)$")
 
 
 @dataclass
@@ -49,8 +50,9 @@ class LoRAAdapter:
 
 
 def target_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
-    """(in, out) of every projection a LoRA adapter may target in the base model, by the module
-    name PEFT gives it. An MoE model's feed-forward blocks are experts, which take no adapter."""
+    """(in, out) of every module a LoRA adapter may target in the base model, by the module name
+    PEFT gives it (the embedding's "in" is the vocabulary). An MoE model's feed-forward blocks are
+    experts, which take no adapter."""
     config = text_config_of(hf_config)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -62,8 +64,9 @@ def target_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
         inter = config.intermediate_size
         per_layer |= {"mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter),
                       "mlp.down_proj": (inter, hidden)}
-    return {f"model.layers.{i}.{name}": shape
-            for i in range(config.num_hidden_layers) for name, shape in per_layer.items()}
+    vocab = {"model.embed_tokens": (config.vocab_size, hidden), "lm_head": (hidden, config.vocab_size)}
+    return vocab | {f"model.layers.{i}.{name}": shape
+                    for i in range(config.num_hidden_layers) for name, shape in per_layer.items()}
 
 
 def is_moe(text_config: Any) -> bool:
@@ -140,10 +143,14 @@ def load_adapter(request: LoRARequest, hf_config: Any, max_lora_rank: int, dtype
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for tensor_name, tensor in tensors.items():
         match = _TENSOR.match(tensor_name)
+        if tensor_name.endswith(".base_layer.weight"):
+            raise ValueError(f"LoRA adapter {name!r}: it saves the whole {tensor_name[:-len('.base_layer.weight')]!r} "
+                             "(PEFT's save_embedding_layers), which hookllm does not serve: a resized or trained "
+                             "vocabulary is not supported; save the adapter with save_embedding_layers=False")
         if match is None:
-            raise ValueError(f"LoRA adapter {name!r}: tensor {tensor_name!r} is not a LoRA A or B weight of a "
-                             "supported module (embedding and LM-head adapters are not supported)")
-        module, kind = match.groups()
+            raise ValueError(f"LoRA adapter {name!r}: tensor {tensor_name!r} is not a LoRA A or B weight")
+        module, embedding_kind, kind = match.groups()
+        kind = embedding_kind or kind
         if module not in shapes:
             raise ValueError(f"LoRA adapter {name!r}: target module {module!r} " + _why_not_target(module, hf_config))
         pairs.setdefault(module, {})[kind] = tensor
@@ -173,8 +180,8 @@ def _why_not_target(module: str, hf_config: Any) -> str:
     match = _MODULE.match(module)
     config = text_config_of(hf_config)
     if match is None:
-        return ("is not one hookllm can adapt (the decoder layers' q/k/v/o and gate/up/down projections; "
-                "embedding and LM-head adapters are not supported)")
+        return ("is not one hookllm can adapt (the decoder layers' q/k/v/o and gate/up/down projections, "
+                "model.embed_tokens and lm_head)")
     layer, block, projection = int(match.group(1)), match.group(2), match.group(3)
     if layer >= config.num_hidden_layers:
         return f"is in layer {layer}, but the base model has {config.num_hidden_layers} layers"

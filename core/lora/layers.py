@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Literal
 
 import torch
 from torch import nn
@@ -31,6 +32,8 @@ from torch import nn
 from hookllm.distributed import tensor_model_parallel_all_reduce
 from hookllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                    RowParallelLinear)
+from hookllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from hookllm.lora.vocab import LoRAEmbedding, LoRALMHead
 
 # A wrapped projection's slices, in its output order, by the PEFT module names they load from.
 FUSED_SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -48,14 +51,16 @@ class LoRAProjection:
     attr: str
     slices: tuple[str, ...]
     widths: tuple[int, ...] | None = None
+    kind: Literal["linear", "embedding", "lm_head"] = "linear"  # embedding, LM head: :mod:`hookllm.lora.vocab`
 
 
 class LoRAMapping:
     """Which tokens of the step run which slot, on the device (read by every wrapped projection):
     ``token_order`` holds the token indices grouped by slot, slot ``s``'s from ``slot_starts[s]``,
-    ``slot_counts[s]`` of them. ``active`` (host): whether any token of the step has an adapter;
-    a step without one skips the kernels (and replays graphs captured without them), so these
-    buffers are written only for steps that read them."""
+    ``slot_counts[s]`` of them; ``token_slots`` each token's slot (for the embedding and LM head).
+    ``active`` (host): whether any token of the step has an adapter; a step without one skips the
+    kernels (and replays graphs captured without them), so these buffers are written only for
+    steps that read them."""
 
     def __init__(self, num_slots: int, max_tokens: int, device: torch.device):
         # One buffer, so that a step's mapping is one copy: the starts, the counts, then the order
@@ -64,8 +69,15 @@ class LoRAMapping:
         self.buffer = torch.zeros(self.order_offset + max_tokens, dtype=torch.int32, device=device)
         self.slot_starts, self.slot_counts = self.buffer[:num_slots], self.buffer[num_slots:2 * num_slots]
         self.token_order = self.buffer[self.order_offset:]
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)  # each token's, or -1
+        self.logits_row_slots: torch.Tensor | None = None  # the slot of each row the LM head gets next
         self.active = False  # set by each step (LoRAManager.prepare_step) and by the CUDA graph capture
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def select_logits_rows(self, token_indices: torch.Tensor | None, count: int) -> None:
+        """The LM head's next rows are the step's tokens ``token_indices`` (None: its first ``count``)."""
+        self.logits_row_slots = (self.token_slots[:count] if token_indices is None
+                                 else self.token_slots[token_indices])
 
 
 class LoRALinear(nn.Module):
@@ -153,28 +165,43 @@ def _shard_names(base: nn.Module) -> list[str]:
 
 
 def parallel_projections(model: nn.Module) -> list[LoRAProjection]:
-    """The native decoders' projections: hookllm's parallel linear layers under ``model.layers.*``,
-    ``qkv_proj`` and ``gate_up_proj`` each one projection of its PEFT modules."""
+    """The native decoders' projections: hookllm's parallel linear layers under ``model.layers.*``
+    (``qkv_proj`` and ``gate_up_proj`` each one projection of its PEFT modules), the token
+    embedding ``model.embed_tokens`` and the LM head ``lm_head``."""
     projections = []
     for name, module in model.named_modules():
         parent_name, _, attr = name.rpartition(".")
         if isinstance(module, ADAPTABLE) and parent_name.startswith("model.layers."):
             projections.append(LoRAProjection(parent_name, model.get_submodule(parent_name), attr,
                                               FUSED_SLICES.get(attr, (attr,))))
+        elif name == "lm_head" and isinstance(module, ParallelLMHead):
+            projections.append(LoRAProjection("", model, attr, (attr,), kind="lm_head"))
+        elif name == "model.embed_tokens" and isinstance(module, VocabParallelEmbedding):
+            projections.append(LoRAProjection(parent_name, model.get_submodule(parent_name), attr, (attr,),
+                                              kind="embedding"))
     return projections
 
 
 def wrap_projections(projections: list[LoRAProjection], num_slots: int, max_rank: int, mapping: LoRAMapping,
-                     kernels: ModuleType, dtype: torch.dtype) -> dict[str, tuple[LoRALinear, int]]:
-    """Replace each projection by a :class:`LoRALinear` (its slots in ``dtype``, the
-    activations'); returns each PEFT module name's (wrapper, slice index)."""
-    targets: dict[str, tuple[LoRALinear, int]] = {}
+                     kernels: ModuleType, dtype: torch.dtype) -> dict[str, tuple[nn.Module, int]]:
+    """Replace each projection by its LoRA wrapper (slots in ``dtype``, the activations'):
+    :class:`LoRALinear`, :class:`~hookllm.lora.vocab.LoRAEmbedding` or
+    :class:`~hookllm.lora.vocab.LoRALMHead`; returns each PEFT module name's (wrapper, slice index)."""
+    targets: dict[str, tuple[nn.Module, int]] = {}
     for projection in projections:
         base = getattr(projection.parent, projection.attr)
-        wrapper = LoRALinear(base, projection.slices, projection.widths, num_slots, max_rank, mapping, kernels, dtype)
+        if projection.kind == "linear":
+            wrapper = LoRALinear(base, projection.slices, projection.widths, num_slots, max_rank, mapping, kernels,
+                                 dtype)
+        else:
+            # nn.Embedding / VocabParallelEmbedding / ParallelLMHead name their sizes so; nn.Linear (a head) so.
+            vocab = getattr(base, "num_embeddings", None) or base.out_features
+            hidden = getattr(base, "embedding_dim", None) or base.in_features
+            vocab_wrapper = LoRAEmbedding if projection.kind == "embedding" else LoRALMHead
+            wrapper = vocab_wrapper(base, vocab, hidden, num_slots, max_rank, mapping, dtype)
         setattr(projection.parent, projection.attr, wrapper)
         for index, peft_name in enumerate(projection.slices):
-            targets[f"{projection.prefix}.{peft_name}"] = (wrapper, index)
+            targets[f"{projection.prefix}.{peft_name}" if projection.prefix else peft_name] = (wrapper, index)
     return targets
 
 

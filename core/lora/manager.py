@@ -18,8 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from hookllm.distributed import get_pp_size
 from hookllm.lora.adapter import LoRAAdapter, load_adapter, target_shapes
-from hookllm.lora.layers import LoRALinear, LoRAMapping, parallel_projections, wrap_projections
+from hookllm.lora.layers import LoRAMapping, parallel_projections, wrap_projections
 from hookllm.lora.request import LoRARequest
 from hookllm.plugins.contract import SupportsLoRA
 
@@ -33,18 +34,19 @@ class LoRAManager:
         self.mapping = LoRAMapping(max_loras, max_tokens, device)
         projections = model.lora_projections() if isinstance(model, SupportsLoRA) else parallel_projections(model)
         self.targets = wrap_projections(projections, max_loras, max_lora_rank, self.mapping, kernels, dtype)
-        if not self.targets:
+        if not any(".layers." in name for name in self.targets):
             raise ValueError(f"enable_lora: {type(model).__name__} has no projections hookllm can adapt (the "
                              "Llama-family decoders' q/k/v, o, gate/up and down, natively or through transformers)")
         _check_every_target_wrapped(model, hf_config, self.targets)
         # Each wrapper's PEFT module names, one per slice in order.
-        self.wrappers: dict[LoRALinear, list[str]] = {}
+        self.wrappers: dict[nn.Module, list[str]] = {}
         for name, (wrapper, _) in self.targets.items():
             self.wrappers.setdefault(wrapper, []).append(name)
         self.adapters: dict[int, LoRARequest] = {}  # every adapter the runner's requests named, by id
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self.free_slots = list(range(max_loras - 1, -1, -1))
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # adapter id -> weights, least recently used first
+        self._grouping_length = 0  # of the last step's mapping: the slots' starts and counts and the token order
 
     def add_adapter(self, lora_request: LoRARequest) -> None:
         """Remember a new request's adapter, for the step that first needs it in a slot."""
@@ -54,9 +56,11 @@ class LoRAManager:
         """Give every adapter of the step's rows (``row_adapters``: each row's adapter id from the
         persistent batch, -1 for none) a slot, and return the step's mapping for the device, flat
         int64: each slot's start and count, then the token order (laid out as
-        :class:`LoRAMapping`'s buffer; empty when no row has an adapter: the step skips the kernels)."""
+        :class:`LoRAMapping`'s buffer), then each token's slot (empty when no row has an adapter:
+        the step skips the kernels)."""
         adapted_rows = row_adapters >= 0
         self.mapping.active = bool(adapted_rows.any())
+        self.mapping.logits_row_slots = None  # named again before each LM head call
         if not self.mapping.active:
             return np.zeros(0, dtype=np.int64)
         ids = np.unique(row_adapters[adapted_rows])
@@ -67,12 +71,20 @@ class LoRAManager:
         order = adapted[np.argsort(token_slots[adapted], kind="stable")]
         slot_counts = np.bincount(token_slots[adapted], minlength=self.max_loras)
         padding = np.zeros(self.mapping.order_offset - 2 * self.max_loras, dtype=np.int64)
-        return np.concatenate([np.cumsum(slot_counts) - slot_counts, slot_counts, padding, order])
+        self._grouping_length = self.mapping.order_offset + len(order)
+        return np.concatenate([np.cumsum(slot_counts) - slot_counts, slot_counts, padding, order, token_slots])
 
     def apply_step(self, mapping: torch.Tensor) -> None:
-        """Copy ``prepare_step``'s mapping, now on the device, into the buffer the layers read."""
+        """Copy ``prepare_step``'s mapping, now on the device, into the buffers the layers read."""
         if mapping.shape[0]:
-            self.mapping.buffer[:mapping.shape[0]].copy_(mapping)
+            grouping = self._grouping_length
+            self.mapping.buffer[:grouping].copy_(mapping[:grouping])
+            self.mapping.token_slots[:mapping.shape[0] - grouping].copy_(mapping[grouping:])
+
+    def select_logits_rows(self, token_indices: torch.Tensor | None, count: int) -> None:
+        """Before the LM head runs on the step's tokens ``token_indices`` (None: its first ``count``)."""
+        if self.mapping.active:
+            self.mapping.select_logits_rows(token_indices, count)
 
     def _slots_for(self, lora_ids: list[int]) -> np.ndarray:
         """The slot of each of a step's adapters, loading those that hold none."""
@@ -115,8 +127,11 @@ def _check_every_target_wrapped(model: nn.Module, hf_config: Any, targets: dict[
         match = re.search(r"\.layers\.(\d+)\.", name)
         return match and match.group(1)
 
-    present = {layer(name) for name in targets}
-    missing = [name for name in target_shapes(hf_config) if layer(name) in present and name not in targets]
+    present = {layer(name) for name in targets if layer(name) is not None}
+    # Under pipeline parallelism a stage has the embedding or the head, or neither.
+    vocab_modules_here = get_pp_size() == 1
+    missing = [name for name in target_shapes(hf_config) if name not in targets
+               and (layer(name) in present if layer(name) is not None else vocab_modules_here)]
     if missing:
         raise ValueError(f"enable_lora: {type(model).__name__} has no adaptable projection for "
                          f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")

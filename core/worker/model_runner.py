@@ -439,8 +439,11 @@ class ModelRunner:
                                     else (torch.empty(0, dtype=torch.long, device=self.device), []))
             return StepOutput(request_ids, SampledTokens(sampled), prompt_logprobs, pooled=pooled)
         # In a decode-only step every row samples: no gather needed.
-        if len(batch.sampling_requests) < hidden_states.shape[0]:
+        gathered = len(batch.sampling_requests) < hidden_states.shape[0]
+        if gathered:
             hidden_states = hidden_states[inputs.logits_indices]
+        if self.lora is not None:
+            self.lora.select_logits_rows(inputs.logits_indices if gathered else None, hidden_states.shape[0])
         logits = self.model.compute_logits(hidden_states).float()
         # The core's penalties and biases come first: the jobs, process_logits and sample see their result.
         adjusted = self.logits_adjuster.apply(logits, batch)
@@ -515,6 +518,8 @@ class ModelRunner:
         targets = np.concatenate([request.prompt_token_ids[start + 1:end + 1] for request, _, start, end in spans])
         # Targets first: the logprobs kernel's pointer stays 16-byte aligned (Triton compiles a variant per alignment).
         targets_t, rows_t = to_device_async(torch.from_numpy(np.stack([targets, rows])), hidden_states.device)
+        if self.lora is not None:
+            self.lora.select_logits_rows(rows_t, len(rows))
         logits = self.model.compute_logits(hidden_states[rows_t])
         num_top = max(request.sampling_params.prompt_logprobs for request, *_ in spans)
         logprob, rank, top_values, top_ids = ops_for(logits).token_logprobs(logits, targets_t, num_top)
