@@ -11,7 +11,9 @@ Runs, in one process on one GPU:
 3. the swap-in of one adapter into a slot, from its folder (read, checked, the scaling folded in)
    and from host memory (the copies into every projection's slot), as the worker does it.
 
-Each mode's rate is the best of its ``--calls`` calls (2); the ratios are against the base model alone.
+Each mode's rate is the best of its ``--calls`` calls (2), each after the prefix cache is emptied
+(every call computes its prompts, as workload A's first call does); the ratios are against the
+base model alone.
 The adapters are PEFT folders written here (``adapter_config.json``, ``adapter_model.safetensors``),
 A and B drawn from N(0, 0.02), targeting q, k, v, o, gate, up and down of every layer.
 
@@ -77,6 +79,7 @@ def best_rate(llm, prompts, params, lora_request, output_tokens: int, calls: int
     """Output tok/s of the best of ``calls`` timed calls."""
     walls = []
     for _ in range(calls):
+        llm.reset_prefix_cache()  # every call computes its prompts from scratch (the cache keys blocks by adapter)
         synchronize()
         start = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora_request)
