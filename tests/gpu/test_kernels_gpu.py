@@ -301,7 +301,7 @@ def lora_batch(rows: int, k: int, widths: tuple[int, ...], slots: int = 8, rank:
         y=torch.randn(rows, slice_starts[-1], device=DEVICE, generator=gen).to(BF16),
         slice_starts=slice_starts,
         grouping=(order, (torch.cumsum(counts, 0) - counts).to(torch.int32), counts),
-        base_rows=torch.arange(3, rows, 4, device=DEVICE),
+        base_rows=torch.arange(3, max(rows, 3), 4, device=DEVICE),  # none of a single row
     )
 
 
