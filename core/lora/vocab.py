@@ -28,29 +28,37 @@ def _own_slot(h: torch.Tensor, slots: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 class _VocabLoRA(nn.Module):
-    """Slots of one vocabulary-wide module: ``lora_a`` and ``lora_b`` hold every slot side by side
-    (slot ``s``'s rank columns at ``s * R``), scaling folded into B."""
+    """Slots of one vocabulary-wide module: ``lora_a`` (``[in, slots * R]``, A transposed) and
+    ``lora_b`` (``[out, slots * R]``) hold every slot side by side (slot ``s``'s rank columns at
+    ``s * R``), scaling folded into B."""
 
-    def __init__(self, base: nn.Module, a_shape: tuple[int, int], b_shape: tuple[int, int], num_slots: int,
-                 max_rank: int, mapping: LoRAMapping, dtype: torch.dtype):
+    def __init__(self, base: nn.Module, in_size: int, out_size: int, num_slots: int, max_rank: int,
+                 mapping: LoRAMapping, dtype: torch.dtype):
         super().__init__()
         self.base, self.max_rank, self.mapping = base, max_rank, mapping
         device = base.weight.device
-        self.register_buffer("lora_a", torch.zeros(*a_shape, dtype=dtype, device=device))
-        self.register_buffer("lora_b", torch.zeros(*b_shape, dtype=dtype, device=device))
+        self.register_buffer("lora_a", torch.zeros(in_size, num_slots * max_rank, dtype=dtype, device=device))
+        self.register_buffer("lora_b", torch.zeros(out_size, num_slots * max_rank, dtype=dtype, device=device))
 
-    def _columns(self, slot: int) -> slice:
-        return slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+    def set_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Slot ``slot``'s (A [r, in], B [out, r]), or None: no adapter here."""
+        columns = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        self.lora_a[:, columns].zero_()
+        self.lora_b[:, columns].zero_()
+        if weights[0] is not None:
+            a, b = weights[0]
+            r = a.shape[0]
+            self.lora_a[:, columns.start:columns.start + r].copy_(a.T)
+            self.lora_b[:, columns.start:columns.start + r].copy_(b)
 
 
 class LoRAEmbedding(_VocabLoRA):
-    """The token embedding plus ``A_s[:, id] B_s^T`` for each token of slot ``s``; ``lora_a`` is
-    ``[vocab, slots * R]`` (A transposed: a token's row is a lookup), ``lora_b`` ``[hidden, slots * R]``."""
+    """The token embedding plus ``A_s[:, id] B_s^T`` for each token of slot ``s`` (a token's
+    row of ``lora_a`` is a lookup)."""
 
     def __init__(self, base: nn.Module, vocab: int, hidden: int, num_slots: int, max_rank: int, mapping: LoRAMapping,
                  dtype: torch.dtype):
-        super().__init__(base, (vocab, num_slots * max_rank), (hidden, num_slots * max_rank), num_slots, max_rank,
-                         mapping, dtype)
+        super().__init__(base, vocab, hidden, num_slots, max_rank, mapping, dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         y = self.base(input_ids)
@@ -61,27 +69,14 @@ class LoRAEmbedding(_VocabLoRA):
         h = _own_slot(self.lora_a[ids], mapping.token_slots[:ids.shape[0]], self.max_rank)
         return y + (h @ self.lora_b.T).view(y.shape).to(y.dtype)
 
-    def set_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-        """Slot ``slot``'s (A [r, vocab], B [hidden, r]), or None: no adapter here."""
-        columns = self._columns(slot)
-        self.lora_a[:, columns].zero_()
-        self.lora_b[:, columns].zero_()
-        if weights[0] is not None:
-            a, b = weights[0]
-            r = a.shape[0]
-            self.lora_a[:, columns.start:columns.start + r].copy_(a.T)
-            self.lora_b[:, columns.start:columns.start + r].copy_(b)
-
 
 class LoRALMHead(_VocabLoRA):
     """The LM head plus ``x A_s^T B_s^T`` for each row of slot ``s``: the rows are the step's
-    logits rows, whose slots the runner names (:meth:`LoRAMapping.select_logits_rows`);
-    ``lora_a`` is ``[slots * R, hidden]``, ``lora_b`` ``[vocab, slots * R]``."""
+    logits rows, whose slots the runner names (:meth:`LoRAMapping.select_logits_rows`)."""
 
     def __init__(self, base: nn.Module, vocab: int, hidden: int, num_slots: int, max_rank: int, mapping: LoRAMapping,
                  dtype: torch.dtype):
-        super().__init__(base, (num_slots * max_rank, hidden), (vocab, num_slots * max_rank), num_slots, max_rank,
-                         mapping, dtype)
+        super().__init__(base, hidden, vocab, num_slots, max_rank, mapping, dtype)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.base(hidden_states)
@@ -91,16 +86,5 @@ class LoRALMHead(_VocabLoRA):
         if mapping.logits_row_slots is None:
             raise RuntimeError("LoRA: the LM head ran on rows the model runner did not name (select_logits_rows)")
         rows = hidden_states.reshape(-1, hidden_states.shape[-1])
-        h = _own_slot(rows.to(self.lora_a.dtype) @ self.lora_a.T, mapping.logits_row_slots, self.max_rank)
+        h = _own_slot(rows.to(self.lora_a.dtype) @ self.lora_a, mapping.logits_row_slots, self.max_rank)
         return logits + (h @ self.lora_b.T).view(logits.shape).to(logits.dtype)
-
-    def set_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-        """Slot ``slot``'s (A [r, hidden], B [vocab, r]), or None: no adapter here."""
-        columns = self._columns(slot)
-        self.lora_a[columns].zero_()
-        self.lora_b[:, columns].zero_()
-        if weights[0] is not None:
-            a, b = weights[0]
-            r = a.shape[0]
-            self.lora_a[columns.start:columns.start + r].copy_(a)
-            self.lora_b[:, columns.start:columns.start + r].copy_(b)
