@@ -4,6 +4,7 @@ adapters of different ranks and targets, under every scheduling feature."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -149,6 +150,41 @@ def test_tensor_parallel_ranks_shard_the_adapters(make_llm, requests, references
         check(run(llm, requests, batch), batch, references)
     finally:
         llm.engine.shutdown()
+
+
+def test_pipeline_stages_apply_each_their_layers_adapters(make_llm, requests, references):
+    # The first stage holds the embedding and the first layers, the last the other layers and the
+    # head: each wraps and loads what it holds of every adapter.
+    llm = make_llm(enable_lora=True, max_loras=3, pipeline_parallel_size=2, num_kv_blocks=64)
+    try:
+        batch = mixed_batch(requests)
+        check(run(llm, requests, batch), batch, references)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_data_parallel_engines_each_serve_the_adapters(tiny_llama_dir, requests, references):
+    from hookllm import EngineConfig
+    from hookllm.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM(config=EngineConfig(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64,
+                                          data_parallel_size=2, enable_lora=True, max_loras=3))
+    batch = mixed_batch(requests)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    async def one(name, i) -> list[int]:
+        lora = None if name is None else requests[name]
+        outputs = [o async for o in engine.generate({"prompt_token_ids": PROMPTS[i]}, params, lora_request=lora)]
+        return [t for output in outputs for t in output.outputs[0].token_ids]
+
+    async def all_of_them() -> list[list[int]]:
+        return await asyncio.wait_for(asyncio.gather(*[one(name, i) for name, i in batch]), 120)
+
+    try:
+        got = asyncio.run(all_of_them())
+    finally:
+        engine.shutdown()
+    assert got == [references[name][i][0] for name, i in batch]
 
 
 def test_an_moe_model_takes_attention_adapters_and_refuses_expert_ones(tmp_path):
