@@ -219,6 +219,85 @@ def hashed_exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return uniform.log_().neg_()
 
 
+def hashed_uniform(keys: torch.Tensor, index: int) -> torch.Tensor:
+    """Uniform (0, 1) float32, one per key: element ``index`` of each key's hash stream, as
+    :func:`hashed_exponential_noise` draws its elements (an index past the vocabulary gives a
+    number independent of the row's noise)."""
+    bits = _fmix32(keys ^ _scramble(torch.full_like(keys, index)))
+    bits >>= 9
+    return (bits.float() + 0.5) * 2.0 ** -23
+
+
+def rejection_sample(
+    logits: torch.Tensor,  # [drafts + requests, vocab]: each request's draft rows, then its bonus row
+    temperature: torch.Tensor,  # [rows] float32; 0 = greedy
+    keys: torch.Tensor,  # [rows] int64 in [0, 2**32): each row's noise key
+    threshold: torch.Tensor | None,  # [rows] float32: sampled rows draw only logits >= it (top-k/p, min-p)
+    draft_ids: torch.Tensor,  # [drafts] long: the proposed tokens, request after request
+    num_drafts: torch.Tensor,  # [requests] long: how many each request proposed (0 and up)
+    max_drafts: int,  # host: the largest of num_drafts (the output's width less one)
+    draft_probs: torch.Tensor | None = None,  # [drafts, vocab] float32: the proposer's q; None: it chose the token
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative decoding's verification (Leviathan et al.): each request's draft tokens are
+    accepted in order while ``u < p(x) / q(x)`` (``p`` the target's distribution at that row,
+    ``softmax(logits / T)`` within the threshold, ``u`` uniform); the first rejected position
+    emits a token drawn from ``max(0, p - q)`` renormalized, and a request whose drafts were all
+    accepted emits one more from its bonus row's ``p``. Every emitted token is then distributed
+    as the target alone would draw it. A proposer that chose its token (n-gram lookup, a greedy
+    draft) has ``q`` one-hot: the draft is accepted with probability ``p(x)``, a rejection draws
+    from ``p`` without ``x``. Greedy rows accept the draft where it is the argmax, and emit the
+    argmax.
+
+    The randomness is the sampler's (:func:`sample_with_hashed_noise`): a row's draws use the
+    exponential race over its ``keys`` noise, its ``u`` the element past the vocabulary of the
+    same hash stream, so a seeded request's keys give the same tokens every time.
+
+    Returns ``[requests, max_drafts + 1]`` token ids (the accepted drafts, then the drawn token;
+    -1 after) and how many each request emits (accepted drafts + 1)."""
+    rows, vocab = logits.shape
+    requests = num_drafts.shape[0]
+    device = logits.device
+    x = logits.float()
+    sampled = temperature > 0
+    scores = x / torch.where(sampled, temperature, 1.0)[:, None]
+    if threshold is not None:
+        scores = scores.masked_fill(sampled[:, None] & (x < threshold[:, None]), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    # Each row's request and position in it; the bonus row of request r is at position num_drafts[r].
+    per_request = num_drafts + 1
+    row_request = torch.repeat_interleave(torch.arange(requests, device=device), per_request)
+    position = torch.arange(rows, device=device) - (per_request.cumsum(0) - per_request)[row_request]
+    is_draft = position < num_drafts[row_request]
+    draft_rows = is_draft.nonzero().squeeze(1)
+    p_draft = probs[draft_rows].gather(1, draft_ids[:, None]).squeeze(1)
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+        residual = probs[draft_rows].scatter(1, draft_ids[:, None], 0.0)
+    else:
+        q_draft = draft_probs.gather(1, draft_ids[:, None]).squeeze(1)
+        residual = (probs[draft_rows] - draft_probs).clamp_(min=0.0)
+    greedy_draft = ~sampled[draft_rows]
+    u = hashed_uniform(keys[draft_rows], vocab)
+    accepted = torch.where(greedy_draft, x[draft_rows].argmax(dim=-1) == draft_ids, u * q_draft < p_draft)
+    accept_matrix = torch.zeros(requests, max_drafts, dtype=torch.int64, device=device)
+    accept_matrix[row_request[draft_rows], position[draft_rows]] = accepted.long()
+    num_accepted = accept_matrix.cumprod(dim=1).sum(dim=1)
+    # What each row would emit as the request's drawn token: a draft row's recovery from its
+    # residual, the bonus row's sample from p; greedy rows the argmax.
+    noise = hashed_exponential_noise(keys, vocab)
+    weights = probs.clone()
+    weights[draft_rows] = residual
+    drawn = torch.where(sampled, (weights / noise).argmax(dim=-1), x.argmax(dim=-1))
+    drawn_matrix = torch.full((requests, max_drafts + 1), -1, dtype=torch.long, device=device)
+    drawn_matrix[row_request, position] = drawn
+    draft_matrix = torch.full((requests, max_drafts + 1), -1, dtype=torch.long, device=device)
+    draft_matrix[row_request[draft_rows], position[draft_rows]] = draft_ids
+    column = torch.arange(max_drafts + 1, device=device)[None, :]
+    tokens = torch.where(column < num_accepted[:, None], draft_matrix, -1)
+    tokens = torch.where(column == num_accepted[:, None], drawn_matrix, tokens)
+    return tokens, num_accepted + 1
+
+
 def sample_with_hashed_noise(
     logits: torch.Tensor,  # [rows, vocab], any float dtype
     temperature: torch.Tensor,  # [rows] float32; 0 = greedy
