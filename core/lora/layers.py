@@ -63,8 +63,8 @@ class LoRAMapping:
     steps that read them."""
 
     def __init__(self, num_slots: int, max_tokens: int, device: torch.device):
-        # One buffer, so that a step's mapping is one copy: the starts, the counts, then the order
-        # from a 16-byte boundary (Triton compiles a kernel variant per pointer alignment).
+        # The kernels' grouping in one buffer, written by one copy a step: the starts, the counts,
+        # then the order from a 16-byte boundary (Triton compiles a kernel variant per pointer alignment).
         self.order_offset = -(-2 * num_slots // 4) * 4
         self.buffer = torch.zeros(self.order_offset + max_tokens, dtype=torch.int32, device=device)
         self.slot_starts, self.slot_counts = self.buffer[:num_slots], self.buffer[num_slots:2 * num_slots]
@@ -81,7 +81,7 @@ class LoRAMapping:
 
 
 class LoRALinear(nn.Module):
-    """``base`` (a parallel linear layer, loaded) plus each token's slot's delta."""
+    """``base`` (a parallel linear layer or an ``nn.Linear``, loaded) plus each token's slot's delta."""
 
     def __init__(self, base: nn.Module, slices: tuple[str, ...], widths: tuple[int, ...] | None, num_slots: int,
                  max_rank: int, mapping: LoRAMapping, kernels: ModuleType, dtype: torch.dtype):
