@@ -45,6 +45,12 @@ def build_adapter(base_dir: Path, path: Path, seed: int, **lora_config: Any) -> 
     return path
 
 
+def build_adapters(base_dir: Path, root: Path) -> dict[str, Path]:
+    """Every adapter of ADAPTER_SPECS for the model at ``base_dir``, each in its folder under ``root``."""
+    return {name: build_adapter(base_dir, root / name, seed, **spec)
+            for seed, (name, spec) in enumerate(ADAPTER_SPECS.items())}
+
+
 def peft_reference(base_dir: Path, adapter_dir: Path | None) -> Any:
     """transformers' model of ``base_dir`` with PEFT's adapter applied (None: the base model)."""
     from peft import PeftModel

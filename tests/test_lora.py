@@ -15,7 +15,7 @@ from hookllm import LLM, SamplingParams, testing
 from hookllm.sampling_params import StructuredOutputsParams
 from hookllm.engine.beam_search import BeamSearchParams
 from hookllm.lora.request import LoRARequest
-from lora_fixtures import ADAPTER_SPECS, build_adapter, greedy, lora_requests, peft_reference, prompt_logprobs
+from lora_fixtures import build_adapter, build_adapters, greedy, lora_requests, peft_reference, prompt_logprobs
 
 pytest.importorskip("peft")
 
@@ -25,9 +25,7 @@ PROMPTS = testing.random_prompts(8, 320, min_len=5, max_len=30, seed=3)
 
 @pytest.fixture(scope="module")
 def adapters(tiny_llama_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    return {name: build_adapter(tiny_llama_dir, root / name, seed, **spec)
-            for seed, (name, spec) in enumerate(ADAPTER_SPECS.items())}
+    return build_adapters(tiny_llama_dir, tmp_path_factory.mktemp("adapters"))
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +55,15 @@ def run(llm, requests, batch, prompt_logprobs_too=True):
                             prompt_logprobs=0 if prompt_logprobs_too else None)
     return llm.generate([PROMPTS[i] for _, i in batch], params, use_tqdm=False,
                         lora_request=[None if name is None else requests[name] for name, _ in batch])
+
+
+def check_and_shut_down(llm, requests, references):
+    """The mixed batch checked on an engine of several processes, which is shut down after."""
+    try:
+        batch = mixed_batch(requests)
+        check(run(llm, requests, batch), batch, references)
+    finally:
+        llm.engine.shutdown()
 
 
 def check(outputs, batch, references, prompt_logprobs_too=True):
@@ -145,22 +152,14 @@ def test_structured_output_constrains_an_adapter_request(tiny_llama_dir, request
 
 def test_tensor_parallel_ranks_shard_the_adapters(make_llm, requests, references):
     llm = make_llm(enable_lora=True, max_loras=3, tensor_parallel_size=2, num_kv_blocks=64)
-    try:
-        batch = mixed_batch(requests)
-        check(run(llm, requests, batch), batch, references)
-    finally:
-        llm.engine.shutdown()
+    check_and_shut_down(llm, requests, references)
 
 
 def test_pipeline_stages_apply_each_their_layers_adapters(make_llm, requests, references):
     # The first stage holds the embedding and the first layers, the last the other layers and the
     # head: each wraps and loads what it holds of every adapter.
     llm = make_llm(enable_lora=True, max_loras=3, pipeline_parallel_size=2, num_kv_blocks=64)
-    try:
-        batch = mixed_batch(requests)
-        check(run(llm, requests, batch), batch, references)
-    finally:
-        llm.engine.shutdown()
+    check_and_shut_down(llm, requests, references)
 
 
 def test_data_parallel_engines_each_serve_the_adapters(tiny_llama_dir, requests, references):
@@ -210,11 +209,7 @@ def test_the_transformers_backend_equals_peft_per_request(make_llm, requests, re
     # slices; two: the projections split as transformers' plan says, each wrapped alone.
     llm = make_llm(enable_lora=True, max_loras=3, model_impl="transformers", tensor_parallel_size=tensor_parallel_size,
                    num_kv_blocks=64)
-    try:
-        batch = mixed_batch(requests)
-        check(run(llm, requests, batch), batch, references)
-    finally:
-        llm.engine.shutdown()
+    check_and_shut_down(llm, requests, references)
 
 
 def test_triton_kernels_interpreted_equal_peft(make_llm, requests, references):

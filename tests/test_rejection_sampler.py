@@ -48,21 +48,24 @@ def test_a_chosen_draft_leaves_the_target_distribution():
     assert_distributed_as(tokens[:, 0], p)
 
 
+DRAFT_Q = torch.linspace(1.0, 3.0, VOCAB).softmax(-1)  # a proposer's own distribution, unlike the target's
+
+
+def drawn_drafts(seed: int):
+    """DRAWS requests whose one draft each was drawn from DRAFT_Q."""
+    drafts = torch.multinomial(DRAFT_Q, DRAWS, replacement=True, generator=torch.Generator().manual_seed(seed))
+    return one_draft_each(drafts, DRAFT_Q.repeat(DRAWS, 1), seed=seed + 1)
+
+
 def test_a_draft_drawn_from_another_distribution_leaves_the_target_distribution():
-    p = target_logits().softmax(-1)
-    q = torch.linspace(1.0, 3.0, VOCAB).softmax(-1)
-    drafts = torch.multinomial(q, DRAWS, replacement=True, generator=torch.Generator().manual_seed(1))
-    tokens, _ = one_draft_each(drafts, q.repeat(DRAWS, 1), seed=2)
-    assert_distributed_as(tokens[:, 0], p)
+    tokens, _ = drawn_drafts(1)
+    assert_distributed_as(tokens[:, 0], target_logits().softmax(-1))
 
 
 def test_a_drawn_draft_is_accepted_as_often_as_the_two_distributions_overlap():
-    p = target_logits().softmax(-1)
-    q = torch.linspace(1.0, 3.0, VOCAB).softmax(-1)
-    drafts = torch.multinomial(q, DRAWS, replacement=True, generator=torch.Generator().manual_seed(3))
-    _, emitted = one_draft_each(drafts, q.repeat(DRAWS, 1), seed=4)
+    _, emitted = drawn_drafts(3)
     rate = float((emitted == 2).double().mean())
-    overlap = float(torch.minimum(p, q).sum())
+    overlap = float(torch.minimum(target_logits().softmax(-1), DRAFT_Q).sum())
     assert abs(rate - overlap) < 4 * (overlap * (1 - overlap) / DRAWS) ** 0.5
 
 

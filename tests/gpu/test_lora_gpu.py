@@ -12,7 +12,7 @@ from hookllm import LLM, SamplingParams, testing
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("peft")
 
-from lora_fixtures import ADAPTER_SPECS, build_adapter, lora_requests, peft_reference  # noqa: E402
+from lora_fixtures import build_adapters, lora_requests, peft_reference  # noqa: E402
 
 MAX_TOKENS = 8
 PROMPTS = testing.random_prompts(12, 320, min_len=20, max_len=200, seed=5)
@@ -20,9 +20,7 @@ PROMPTS = testing.random_prompts(12, 320, min_len=20, max_len=200, seed=5)
 
 @pytest.fixture(scope="module")
 def requests(small_llama, tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu-adapters")
-    return lora_requests({name: build_adapter(small_llama, root / name, seed, **spec)
-                          for seed, (name, spec) in enumerate(ADAPTER_SPECS.items())})
+    return lora_requests(build_adapters(small_llama, tmp_path_factory.mktemp("gpu-adapters")))
 
 
 @torch.no_grad()
