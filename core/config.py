@@ -14,6 +14,7 @@ from hookllm.pooling_params import PoolerConfig
 
 if TYPE_CHECKING:
     from hookllm.sched.kv_events import KVEventsConfig
+    from hookllm.spec.config import SpeculativeConfig
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -137,6 +138,7 @@ class ModelConfig:
     quantization: Any = None
     runner: str = "generate"  # EngineConfig.runner, resolved: "generate" or "pooling"
     pooler: PoolerConfig | None = None  # how the pooling runner pools (None when generating)
+    spec_proposer: Any = None  # the proposer class speculative_config's method names (None: no speculation)
     weight_prefix: str = ""  # put before every checkpoint tensor's name (a bare base model's: "model.")
     # An encoder (bidirectional attention): pooling only, each prompt computed in one step.
     encoder: bool = False
@@ -293,6 +295,10 @@ class EngineConfig:
                                  "zero-padded)")
     max_cpu_loras: int | None = _option(None, "LoRA: adapters kept in host memory for quick swap-in, least recently "
                                         "used out (default: max_loras)")
+    speculative_config: SpeculativeConfig | str | dict | None = _option(
+        None, "speculative decoding (vLLM's keys), a JSON object: method (ngram, or a proposer a plugin registers; "
+        "`hookllm plugins` lists them), num_speculative_tokens, prompt_lookup_min / prompt_lookup_max (ngram), "
+        "disable_by_batch_size, model, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     swap_space: float = _option(4.0, "GiB of host memory (pinned on CUDA) per worker for swapped KV blocks "
                                 "(preemption_mode=swap)")
 
@@ -391,3 +397,9 @@ class EngineConfig:
         from hookllm.sched.kv_events import KVEventsConfig
 
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
+        from hookllm.spec.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config with pipeline_parallel_size > 1 is not offered: a step's drafts come "
+                             "from the last stage's tokens, which the stages' batches in flight do not wait for")

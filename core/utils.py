@@ -1,18 +1,48 @@
 """Small helpers: vLLM's ``vllm.utils`` names, the engine's host-to-device copy, the GIL's
-switch interval for threads that work beside the engine loop, how engine processes start."""
+switch interval for threads that work beside the engine loop, how engine processes start, the
+JSON-object options (``--kv-events-config``, ``--speculative-config``)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import multiprocessing
 import multiprocessing.context
 import os
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 import torch
+
+
+_Config = TypeVar("_Config")
+
+
+def parse_json_config(cls: type[_Config], value: Any, option: str) -> _Config | None:
+    """A dataclass of scalar fields from a JSON object (text or dict), as vLLM's JSON options
+    take it: None stays None, an instance passes; ``ValueError`` naming ``option`` and what is
+    wrong (not JSON, not an object, an unknown key, a value of the wrong type)."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{option} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{option} must be a JSON object, got {type(value).__name__}")
+    fields = {field.name: field for field in dataclasses.fields(cls)}
+    for key, item in value.items():
+        if key not in fields:
+            raise ValueError(f"{option} has an unknown key {key!r}; known: {', '.join(fields)}")
+        allowed = fields[key].metadata.get("types", (type(fields[key].default),))
+        if not isinstance(item, allowed) or (isinstance(item, bool) and bool not in allowed):
+            names = " or ".join("null" if kind is type(None) else kind.__name__ for kind in allowed)
+            raise ValueError(f"{option}'s {key} must be {names}, got {item!r}")
+    return cls(**value)
 
 
 def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -27,6 +27,7 @@ class ComponentKind(enum.Enum):
     QUANTIZATION_METHOD = "quantization method"
     STRUCTURED_OUTPUT_BACKEND = "structured output backend"
     POOLER = "pooler"
+    SPEC_PROPOSER = "speculative decoding method"
 
     @property
     def listing_key(self) -> str:

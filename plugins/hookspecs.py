@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from hookllm.entrypoints.chat import RenderedContent
     from hookllm.worker.model_runner import ModelInputs
     from hookllm.plugins.registry import ScopedRegistry
+    from hookllm.spec.proposer import SpecProposers
     from hookllm.engine.core_request import EngineCoreRequest
 
 PROJECT_NAME = "hookllm"
@@ -182,6 +183,48 @@ def register_components(components: Components) -> None:
         def register_components(components):
             components.add_tool_parser("calltag", CallTagParser)
             components.add_reasoning_parser("thought", ThoughtParser)
+    """
+
+
+@hookspec(runs_in="every", scope="installed", stage="registration")
+def register_spec_proposers(proposers: SpecProposers) -> None:
+    """Register speculative decoding methods: ``proposers.add(name, cls)``, chosen by
+    ``speculative_config``'s ``method`` NAME (``--speculative-config '{"method": NAME, ...}'``).
+
+    Called on every installed plugin (selected or not), like ``register_components``. Each
+    worker makes one proposer, ``cls(config, context)`` with the ``SpeculativeConfig``; after
+    every step that speculates, ``propose(batch)`` gets a
+    :class:`hookllm.spec.proposer.ProposalBatch` (each request's tokens so far, the target's
+    hidden states) and returns up to ``batch.num_speculative_tokens`` guessed ids per request.
+    The target then checks them all in one step and keeps what it would have sampled itself, so
+    a proposer changes speed, never output. The bundled ``ngram`` looks the last tokens up in the
+    request's own text. A proposer that guesses the rest of a phrase it knows::
+
+        PHRASES = [[791, 6864, 315, 9822, 374, 12366, 13]]  # token ids of whole phrases
+
+        class PhraseProposer:
+            def __init__(self, config, context):
+                self.k = config.num_speculative_tokens
+
+            def propose(self, batch):
+                guesses = []
+                for i in range(len(batch.requests)):
+                    history = batch.history(i)
+                    guess = []
+                    for phrase in PHRASES:
+                        # the phrase's longest start that the history ends with
+                        for n in range(len(phrase) - 1, 0, -1):
+                            if history[-n:] == phrase[:n]:
+                                guess = phrase[n:n + self.k]
+                                break
+                        if guess:
+                            break
+                    guesses.append(guess)
+                return guesses
+
+        @hookimpl
+        def register_spec_proposers(proposers):
+            proposers.add("phrases", PhraseProposer)
     """
 
 

@@ -28,6 +28,7 @@ import pluggy
 
 from hookllm.plugins import hookspecs
 from hookllm.plugins.components import ComponentKind, Components
+from hookllm.spec.proposer import SpecProposers
 from hookllm.plugins.context import EngineContext, RequestParameters
 from hookllm.plugins.deprecated_hooks import DEPRECATED_HOOKS, current_hooks
 from hookllm.plugins.registry import ModelRegistry
@@ -165,6 +166,7 @@ class PluginManager:
                 for part in dataclasses.fields(RequestParameters)))
             info.components = Components()
             alone("register_components")(components=info.components)
+            alone("register_spec_proposers")(proposers=SpecProposers(info.components))
         self.all_plugins = registrations  # add_cli_options runs on every installed plugin
 
     def loaded(self) -> list[PluginInfo]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -21,6 +22,23 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind((HOST, 0))
         return sock.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A port ``P`` of loopback with ``P + 1`` free too (a multi-node engine listens on
+    ``master_port + 1``). Drawn below the kernel's ephemeral range (32768 and up), where no
+    ``free_port`` and no client connection of a test running beside this one can take ``P + 1``
+    between this check and the engine's bind."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000, 2)
+        with socket.socket() as first, socket.socket() as second:
+            try:
+                first.bind((HOST, port))
+                second.bind((HOST, port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two consecutive free ports on loopback between 20000 and 32000")
 
 
 def with_chat_template(source: Path, target: Path, template: str = CHAT_TEMPLATE) -> Path:

@@ -171,7 +171,7 @@ def test_the_payload_is_positional_in_vllms_field_order(events):
     ('["zmq"]', "must be a JSON object"),
     ({"enable_kv_cache_events": True, "replay_endpoint": "tcp://*:5558"}, "unknown key 'replay_endpoint'"),
     ({"enable_kv_cache_events": True, "publisher": "nats"}, "unknown publisher 'nats'"),
-    ({"enable_kv_cache_events": "yes"}, "enable_kv_cache_events must be a bool"),
+    ({"enable_kv_cache_events": "yes"}, "enable_kv_cache_events must be bool"),
 ])
 def test_a_bad_kv_events_config_is_a_value_error_naming_the_problem(value, problem):
     with pytest.raises(ValueError, match=problem):

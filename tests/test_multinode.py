@@ -17,7 +17,7 @@ import pytest
 from hookllm import LLM, EngineConfig, SamplingParams
 from hookllm.worker.multinode import identity_mismatches
 from hookllm.worker.multiproc_executor import WorkerError
-from server_fixtures import HOST, Server, free_port
+from server_fixtures import HOST, Server, free_port_pair
 from test_server_processes import descendants, leftovers
 
 MAX_TOKENS = 12
@@ -38,7 +38,7 @@ def start_headless(model, port: int) -> subprocess.Popen:
 @pytest.fixture(scope="module")
 def two_nodes(tiny_llama_dir):
     """Node 1 (headless) and node 0 (the server), the rendezvous on a free port of loopback."""
-    port = free_port()
+    port = free_port_pair()
     headless = start_headless(tiny_llama_dir, port)
     try:
         server = Server([*node_args(tiny_llama_dir, 0, port), "--served-model-name", "tiny"])
@@ -69,7 +69,7 @@ def test_a_rank_that_disagrees_with_the_engine_is_named_with_each_difference():
 
 def test_headless_on_node_0_is_refused(tiny_llama_dir):
     result = subprocess.run([sys.executable, "-m", "hookllm.entrypoints.cli", "serve",
-                             *node_args(tiny_llama_dir, 0, free_port(), "--headless")],
+                             *node_args(tiny_llama_dir, 0, free_port_pair(), "--headless")],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "--headless runs the ranks of a node after node 0" in result.stderr
@@ -79,13 +79,13 @@ def test_a_node_that_never_joins_fails_the_engine_within_the_timeout(tiny_llama_
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"ranks \[1\] did not join within 3 s"):
         LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=8, tensor_parallel_size=2, nnodes=2,
-            master_addr=HOST, master_port=free_port(), distributed_timeout=3)
+            master_addr=HOST, master_port=free_port_pair(), distributed_timeout=3)
     assert time.monotonic() - start < 60
 
 
 def test_a_headless_node_that_cannot_reach_the_master_exits_with_an_error(tiny_llama_dir):
     command = [sys.executable, "-m", "hookllm.entrypoints.cli", "serve",
-               *node_args(tiny_llama_dir, 1, free_port(), "--headless"), "--distributed-timeout", "2"]
+               *node_args(tiny_llama_dir, 1, free_port_pair(), "--headless"), "--distributed-timeout", "2"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "cannot reach the engine at 127.0.0.1" in result.stdout + result.stderr

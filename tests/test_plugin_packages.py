@@ -103,7 +103,8 @@ def test_plugins_json_lists_packages_with_version_hooks_and_architectures(capsys
     assert main(["plugins", "--json"]) == 0
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
     nothing_registered = {"architectures": [], "tool_parsers": [], "reasoning_parsers": [],
-                          "quantization_methods": [], "structured_output_backends": [], "poolers": []}
+                          "quantization_methods": [], "structured_output_backends": [], "poolers": [],
+                          "spec_proposers": []}
     assert rows["gpt2"] == {"name": "gpt2", "distribution": "hookllm-gpt2", "version": "0.1.0",
                             "hooks": ["register_models"], **nothing_registered,
                             "architectures": ["GPT2LMHeadModel"], "error": None}

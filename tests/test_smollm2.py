@@ -67,3 +67,17 @@ def test_smollm2_quantized_to_fp8_stays_near_fp32(smollm2, name, options):
     distance = float((ours[:-1].gather(1, next_tokens) - theirs[:-1].gather(1, next_tokens)).abs().mean())
     print(f"{name}: {distance:.4f}")
     assert 0 < distance < FP8_TOLERANCES[name]
+
+
+def test_ngram_speculation_on_a_repeating_prompt_accepts_and_still_matches_transformers(smollm2):
+    _, reference = smollm2
+    llm = LLM(str(default_model_dir()), dtype="float32", device="cpu",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2})
+    counting = "Count with me: one two three four, one two three four, one two three four, one two"
+    prompts = [llm.tokenizer(counting)["input_ids"]] + [
+        list(llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=True)["input_ids"]) for q in QUESTIONS[:2]]
+    testing.assert_greedy_matches(llm, reference, prompts, max_tokens=24)
+    stats = llm.engine.get_stats()
+    assert stats.spec_num_accepted_tokens > 0
+    llm.shutdown()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, Iterator
 
 import msgspec
 
@@ -23,7 +23,7 @@ from hookllm.sampling_params import SamplingParams
 from hookllm.sched.block_manager import BlockManager
 from hookllm.sched.kv_events import KVEventPublisher
 from hookllm.sched.output import SchedulerOutput
-from hookllm.sched.request import RequestStatus
+from hookllm.sched.request import Request, RequestStatus
 from hookllm.sched.scheduler import Scheduler, SchedulerStats
 from hookllm.worker.executor import Executor, StepResult, make_executor
 
@@ -85,7 +85,8 @@ class EngineCore:
                                    self.executor.num_host_blocks,
                                    pipeline_depth=config.pipeline_parallel_size,
                                    chunked_prefill=not model_config.encoder,
-                                   max_loras=config.max_loras if config.enable_lora else 0)
+                                   max_loras=config.max_loras if config.enable_lora else 0,
+                                   speculative_config=config.speculative_config)
         # KV-cache events for prefix-aware routers: the block manager records them, each step publishes.
         events_config = config.kv_events_config
         self.kv_event_publisher: KVEventPublisher | None = None
@@ -167,6 +168,9 @@ class EngineCore:
         With async scheduling that is the previous batch: its tokens are read back while the
         device runs this one, so host work overlaps the device's.
         """
+        if self.in_flight and self.scheduler.speculates():
+            # A step that speculates proposes from every token before it: read the steps in flight first.
+            return self._finish_step(self._update(*self.in_flight.popleft()))
         batch = self.scheduler.schedule()
         previous = self.in_flight[-1][1] if self.in_flight else None
         # A step may only swap out (its one request could not grow): the worker still copies.
@@ -175,8 +179,12 @@ class EngineCore:
         if result is not None:
             self.in_flight.append((batch, result))
         outputs = NO_OUTPUTS
-        if len(self.in_flight) > self.max_in_flight or (result is None and self.in_flight):
+        # A speculating step is read at once: the next one schedules the drafts it proposed.
+        if self.in_flight and (len(self.in_flight) > self.max_in_flight or result is None or batch.speculates):
             outputs = self._update(*self.in_flight.popleft())
+        return self._finish_step(outputs)
+
+    def _finish_step(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
         self._release_finished_if_idle()
         self._publish_kv_events()
         return outputs
@@ -190,13 +198,11 @@ class EngineCore:
 
     def _update(self, batch: SchedulerOutput, result: StepResult) -> EngineCoreOutputs:
         """A finished step: the scheduler takes its tokens; each request that advanced reports."""
-        token_ids, logprobs = result.resolve()
         prompt_logprobs = result.prompt_logprobs()
         outputs = []
-        for request, row in self.scheduler.update_from_output(batch, token_ids):
-            logprobs_row = logprobs[row]
+        for request, token_ids, logprobs in self._sampled_tokens(batch, result):
             outputs.append(EngineCoreOutput(
-                request.request_id, [token_ids[row]], None if logprobs_row is None else [logprobs_row],
+                request.request_id, token_ids, logprobs,
                 prompt_logprobs.pop(request.request_id, None) if prompt_logprobs else None,
                 request.status.value if request.is_finished else None, request.stop_reason,
                 request.num_cached_tokens or 0))
@@ -212,6 +218,22 @@ class EngineCore:
                 outputs.append(EngineCoreOutput(request_id, [], None, entries, None, None,
                                                 request.num_cached_tokens or 0))
         return EngineCoreOutputs(outputs, [new.request_id for new in batch.new_requests])
+
+    def _sampled_tokens(self, batch: SchedulerOutput, result: StepResult
+                        ) -> Iterator[tuple[Request, list[int], list[LogprobsRow] | None]]:
+        """Each request that took tokens from the step: those tokens and their logprobs rows
+        (None when not asked)."""
+        if batch.speculates:
+            spec = result.spec_decode()
+            for request, row, taken in self.scheduler.update_from_spec_output(batch, spec.token_ids,
+                                                                               spec.draft_token_ids):
+                rows = spec.logprobs[row][:taken]
+                yield request, spec.token_ids[row][:taken], None if rows[0] is None else rows
+            return
+        token_ids, logprobs = result.resolve()
+        for request, row in self.scheduler.update_from_output(batch, token_ids):
+            logprobs_row = logprobs[row]
+            yield request, [token_ids[row]], None if logprobs_row is None else [logprobs_row]
 
     def _release_finished_if_idle(self) -> None:
         """Finished requests reach the worker with the next batch; with none coming, send them now

@@ -188,9 +188,13 @@ class OutputProcessor:
             state.num_cached_tokens = core_output.num_cached_tokens
             if core_output.finish_reason is not None:
                 state.finish_reason, state.stop_reason = core_output.finish_reason, core_output.stop_reason
-            if self._append_token(state, core_output.new_token_ids[0], core_output.new_logprobs, now) \
-                    and core_output.finish_reason is None:
-                reqs_to_abort.append(state.request_id)
+            # Several tokens under speculative decoding: those after a stop string are dropped.
+            logprobs = core_output.new_logprobs
+            for index, token_id in enumerate(core_output.new_token_ids):
+                if self._append_token(state, token_id, None if logprobs is None else logprobs[index], now):
+                    if core_output.finish_reason is None:
+                        reqs_to_abort.append(state.request_id)
+                    break
             output = self._make_output(state)
             parent = state.parent
             if output is not None and parent is not None:
@@ -213,8 +217,7 @@ class OutputProcessor:
         for row in rows[:room]:
             state.prompt_logprobs.append(logprobs_entry(row, self._texts(row, state)))
 
-    def _append_token(self, state: RequestState, token_id: int, logprobs: list[LogprobsRow] | None,
-                      now: float) -> bool:
+    def _append_token(self, state: RequestState, token_id: int, logprobs: LogprobsRow | None, now: float) -> bool:
         """Take a new token and its text; True if a stop string ends in its text (the request then
         finishes here, with that string as its stop reason).
 
@@ -231,9 +234,8 @@ class OutputProcessor:
             metrics.first_token_time = now
         metrics.last_token_time = now
         if logprobs is not None and state.logprobs is not None:
-            row = logprobs[0]  # kept as it came: entries are built when read
-            state.logprobs.append(row)
-            state.cumulative_logprob += row[1][0]
+            state.logprobs.append(logprobs)  # kept as it came: entries are built when read
+            state.cumulative_logprob += logprobs[1][0]
         if state.detokenizer is None or state.finish_reason == "stop":
             return False  # no text, or a stop token ended it: a stop token adds no text
         previous_len = len(state.text)

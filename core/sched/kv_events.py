@@ -35,8 +35,6 @@ What hookllm fills, and how:
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import time
 from dataclasses import dataclass
 from typing import Any, Union
@@ -44,6 +42,7 @@ from typing import Any, Union
 import msgspec
 
 from hookllm.lora.request import LoRARequest
+from hookllm.utils import parse_json_config
 
 # vLLM's ExternalBlockHash: a hash as bytes (hookllm's SHA-256 digests) or an int.
 BlockHash = Union[bytes, int]
@@ -110,22 +109,9 @@ class KVEventsConfig:
     @classmethod
     def parse(cls, value: "KVEventsConfig | str | dict | None") -> "KVEventsConfig | None":
         """A config from a JSON object (text or dict); ValueError naming what is wrong."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"kv_events_config is not valid JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
-        types = {field.name: type(field.default) for field in dataclasses.fields(cls)}
-        for key, item in value.items():
-            if key not in types:
-                raise ValueError(f"kv_events_config has an unknown key {key!r}; known: {', '.join(types)}")
-            if not isinstance(item, types[key]):
-                raise ValueError(f"kv_events_config's {key} must be a {types[key].__name__}, got {item!r}")
-        config = cls(**value)
+        config = parse_json_config(cls, value, "kv_events_config")
+        if config is None:
+            return None
         if config.publisher not in PUBLISHERS:
             raise ValueError(f"kv_events_config has an unknown publisher {config.publisher!r}; "
                              f"use {' or '.join(PUBLISHERS)}")

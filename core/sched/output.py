@@ -56,6 +56,11 @@ class SchedulerOutput:
     # Indices into request_ids of the pooling requests whose prompt this step completes: they
     # end with the step, their pooled hidden states their output.
     pooling_rows: list[int] = field(default_factory=list)
+    # Speculative decoding: the drafts each request verifies this step (request id -> ids), fed
+    # after its last token (counted in num_scheduled_tokens); ``speculates``: the runner proposes
+    # drafts after sampling, and the engine reads this step's tokens before scheduling the next.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    speculates: bool = False
 
     @classmethod
     def empty(cls, finished_request_ids: list[str] | None = None) -> "SchedulerOutput":

@@ -79,6 +79,9 @@ class Request:
         self.num_cached_tokens: int | None = None
         # Keep the blocks after finishing, for forks (beam search), until Scheduler.release.
         self.retain_blocks = False
+        # Speculative decoding: the proposer's guesses of the tokens after all_token_ids, scheduled
+        # with its next step.
+        self.spec_token_ids: list[int] = []
 
     @classmethod
     def from_core_request(cls, core_request: EngineCoreRequest) -> Request:

@@ -27,6 +27,24 @@ from hookllm.sched.output import NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
     from hookllm.engine.core_request import EngineCoreRequest
+    from hookllm.spec.config import SpeculativeConfig
+
+
+class SpecCounts:
+    """Drafts verified and accepted since the engine started, for the stats."""
+
+    def __init__(self, num_positions: int):
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * num_positions
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
 
 
 @dataclass
@@ -42,6 +60,12 @@ class SchedulerStats:
     # LoRA adapters (names) of the running and of the waiting requests (vLLM's lora_requests_info).
     running_lora_adapters: list[str] = field(default_factory=list)
     waiting_lora_adapters: list[str] = field(default_factory=list)
+    # Speculative decoding since the engine started (vLLM's spec_decode counters): steps in which a
+    # request verified drafts, the drafts verified, those accepted, and those accepted by position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -53,8 +77,12 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_ids: set[int] | frozenset[int] = frozenset(), preemption_mode: str = "recompute",
                  num_host_blocks: int = 0, pipeline_depth: int = 1, chunked_prefill: bool = True,
-                 max_loras: int = 0):
+                 max_loras: int = 0, speculative_config: SpeculativeConfig | None = None):
         self.block_manager = block_manager
+        # Speculative decoding: a running request's drafts (from the step that sampled its last
+        # token) are scheduled after that token; ``update_from_spec_output`` keeps what verified.
+        self.speculative_config = speculative_config
+        self.spec_counts = SpecCounts(speculative_config.num_speculative_tokens if speculative_config else 0)
         # LoRA: most adapters the running requests may use at once (the worker's slots; 0: no LoRA).
         self.max_loras = max_loras
         # Off for encoders: bidirectional attention needs a prompt's every key in its one step.
@@ -138,7 +166,18 @@ class Scheduler:
         if self.max_loras:
             stats.running_lora_adapters = _adapter_names(self.running)
             stats.waiting_lora_adapters = _adapter_names([*self.waiting, *self.swapped])
+        if self.speculative_config is not None:
+            counts = self.spec_counts
+            stats.spec_num_drafts, stats.spec_num_draft_tokens = counts.num_drafts, counts.num_draft_tokens
+            stats.spec_num_accepted_tokens = counts.num_accepted_tokens
+            stats.spec_accepted_per_position = list(counts.accepted_per_position)
         return stats
+
+    def speculates(self) -> bool:
+        """Whether the next step speculates: proposes drafts after it samples, and verifies the
+        drafts of the requests that have them (off while more requests run than
+        ``disable_by_batch_size``)."""
+        return self.speculative_config is not None and self.speculative_config.speculates(len(self.running))
 
     def fork(self, parent_id: str, core_request: EngineCoreRequest) -> None:
         """Queue ``core_request``, which continues the retained request ``parent_id``'s computed
@@ -165,6 +204,8 @@ class Scheduler:
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
         limit = self._batch_size_limit()
+        speculates = self.speculates()
+        spec_token_ids: dict[str, list[int]] = {}
 
         # A running request has tokens to compute unless a step in flight samples its token (under
         # pipeline stages) or its last one (at its length limit), or it pools and its prompt is
@@ -180,6 +221,14 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(num_tokens - request.num_computed_tokens, budget)
+            drafts = request.spec_token_ids
+            if drafts:
+                # Its drafts follow its last token, as many as the budget and its length limit
+                # leave room for (a step emits up to one token more than it keeps drafts).
+                request.spec_token_ids = []
+                room = min(budget - num_new, request.max_num_tokens - num_tokens - 1) if speculates else 0
+                drafts = drafts[:max(room, 0)]
+                num_new += len(drafts)
             while not allocate(request, num_new):
                 victim = running.pop()  # the newest running request
                 self._preempt(victim, swap_out)
@@ -189,6 +238,8 @@ class Scheduler:
             else:
                 scheduled.append(request)
                 counts.append(num_new)
+                if drafts:
+                    spec_token_ids[request.request_id] = drafts
                 budget -= num_new
                 i += 1
 
@@ -245,7 +296,7 @@ class Scheduler:
             self._start_running(self.waiting, num_new, scheduled, counts)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
-        return self._commit_step(scheduled, counts, preempted, swap_out, swap_in)
+        return self._commit_step(scheduled, counts, preempted, swap_out, swap_in, spec_token_ids, speculates)
 
     def _batch_size_limit(self) -> int:
         """Most requests one batch takes: all it may, or under pipeline stages its share of the
@@ -279,10 +330,12 @@ class Scheduler:
         counts.append(num_new)
 
     def _commit_step(self, scheduled: list[Request], counts: list[int], preempted: list[Request],
-                     swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> SchedulerOutput:
-        """Commit the step and return it as data: computed tokens advance now, each request whose
-        chunk reaches its last token gets a placeholder for the token it samples, and the finished
-        request ids and block copies are taken."""
+                     swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                     spec_token_ids: dict[str, list[int]], speculates: bool) -> SchedulerOutput:
+        """Commit the step and return it as data: computed tokens advance now (drafts included,
+        until verification says how many stay), each request whose chunk reaches its last token
+        gets a placeholder for the token it samples, and the finished request ids and block
+        copies are taken."""
         new_requests, new_token_ids, sampling_rows, pooling_rows = [], [], [], []
         computed = [r.num_computed_tokens for r in scheduled]
         for row, (request, count) in enumerate(zip(scheduled, counts)):
@@ -295,7 +348,8 @@ class Scheduler:
             new_token_ids.append(known[request.num_synced_tokens:])
             request.num_synced_tokens = len(known)
             request.num_computed_tokens += count
-            if request.num_computed_tokens == len(known) + request.num_output_placeholders:  # num_tokens
+            num_drafts = len(spec_token_ids.get(request.request_id, ())) if spec_token_ids else 0
+            if request.num_computed_tokens - num_drafts == len(known) + request.num_output_placeholders:  # num_tokens
                 if request.pooling_params is not None:
                     pooling_rows.append(row)  # computed whole: scheduled no more
                 else:
@@ -316,11 +370,14 @@ class Scheduler:
             swap_out=swap_out,
             swap_in=swap_in,
             pooling_rows=pooling_rows,
+            spec_token_ids=spec_token_ids,
+            speculates=speculates,
         )
 
     def _preempt(self, request: Request, swap_out: list[tuple[int, int]]) -> None:
         """Swap the request out (adding its block pairs to ``swap_out``) when the mode asks and it
         can be, else free its blocks for it to be recomputed from the start."""
+        request.spec_token_ids = []  # guesses for a step it no longer runs next
         # Swapped, it keeps only the blocks it reads when it resumes (its computed count stays).
         self.block_manager.free_out_of_window(request)
         live_block_ids = self.block_manager.live_block_ids(request)
@@ -365,17 +422,56 @@ class Scheduler:
             if request is None:
                 continue  # finished while this step ran
             request.num_output_placeholders -= 1
-            token_id = token_ids[row]
-            request.append_output_token(token_id)
+            self._append_token(request, token_ids[row])
             updated.append((request, row))
-            params = request.sampling_params
-            stop_token = token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids)
-            if stop_token and len(request.output_token_ids) >= params.min_tokens:
-                request.stop_reason = token_id if token_id in params.stop_token_ids else None
-                self.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
-            elif len(request.all_token_ids) >= request.max_num_tokens:  # max_tokens or max_model_len
-                self.finish_request(request_id, RequestStatus.FINISHED_LENGTH)
         return updated
+
+    def update_from_spec_output(self, batch: SchedulerOutput, token_ids: list[list[int]],
+                                draft_token_ids: list[list[int]]) -> list[tuple[Request, int, int]]:
+        """Apply a speculating step's emitted tokens (a list per ``batch.sampling_rows``: the
+        drafts the target kept, then the token it drew), in order, each under the stop rules
+        as ``update_from_output`` applies them; the rejected drafts' positions count as not
+        computed again, and an unfinished request keeps ``draft_token_ids`` for its next step.
+
+        Returns ``(request, row, taken)``: how many of the row's tokens the request took (the
+        rest came after a stop).
+        """
+        updated = []
+        verified = batch.spec_token_ids
+        for row, request_id in enumerate(batch.sampling_request_ids):
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # finished while this step ran
+            request.num_output_placeholders -= 1
+            emitted = token_ids[row]
+            drafts = verified.get(request_id)
+            if drafts:
+                accepted = len(emitted) - 1
+                request.num_computed_tokens -= len(drafts) - accepted
+                self.spec_counts.record(len(drafts), accepted)
+            taken = 0
+            for token_id in emitted:
+                taken += 1
+                if self._append_token(request, token_id):
+                    break
+            else:
+                request.spec_token_ids = draft_token_ids[row]
+            updated.append((request, row, taken))
+        return updated
+
+    def _append_token(self, request: Request, token_id: int) -> bool:
+        """Append a sampled token and apply the stop rules; True when it ended the request."""
+        request.append_output_token(token_id)
+        params = request.sampling_params
+        stop_token = token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids)
+        if stop_token and len(request.output_token_ids) >= params.min_tokens:
+            request.stop_reason = token_id if token_id in params.stop_token_ids else None
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            return True
+        if len(request.all_token_ids) >= request.max_num_tokens:  # max_tokens or max_model_len
+            self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
+            return True
+        return False
 
     def finish_pooled(self, batch: SchedulerOutput) -> list[Request]:
         """End the pooling requests whose prompt ``batch`` completed (their output is the step's

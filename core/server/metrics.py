@@ -132,6 +132,13 @@ class EngineMetrics:
         (both("prefix_cache_hits"), "Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits),
     )
 
+    SPEC_COUNTERS: tuple[tuple[tuple[str, ...], str, Callable[[SchedulerStats], float]], ...] = (
+        (both("spec_decode_num_drafts"), "Drafts verified (one per request per speculating step).",
+         lambda s: s.spec_num_drafts),
+        (both("spec_decode_num_draft_tokens"), "Draft tokens verified.", lambda s: s.spec_num_draft_tokens),
+        (both("spec_decode_num_accepted_tokens"), "Draft tokens accepted.", lambda s: s.spec_num_accepted_tokens),
+    )
+
     def __init__(self, engine: AsyncLLM, model_name: str):
         self.engine = engine
         self.model_name = model_name
@@ -148,6 +155,26 @@ class EngineMetrics:
                     yield family
         if self.engine.config.enable_lora:
             yield from self._lora_info(engines)
+        if self.engine.config.speculative_config is not None:
+            yield from self._spec_decode(engines)
+
+    def _spec_decode(self, engines: list[SchedulerStats]) -> Iterator[CounterMetricFamily]:
+        """vLLM's speculative decoding counters: drafts (a request's verification in a step), the
+        draft tokens verified, those accepted, and the accepted ones by position (``position``
+        label, 0 the first draft after the request's last token)."""
+        for names, doc, read in self.SPEC_COUNTERS:
+            for name in names:
+                family = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
+                for index, stats in enumerate(engines):
+                    family.add_metric([self.model_name, str(index)], read(stats))
+                yield family
+        for name in both("spec_decode_num_accepted_tokens_per_pos"):
+            family = CounterMetricFamily(name, "Accepted draft tokens, by their position in the drafts.",
+                                         labels=["model_name", "engine", "position"])
+            for index, stats in enumerate(engines):
+                for position, count in enumerate(stats.spec_accepted_per_position):
+                    family.add_metric([self.model_name, str(index), str(position)], count)
+            yield family
 
     def _lora_info(self, engines: list[SchedulerStats]) -> Iterator[GaugeMetricFamily]:
         """vLLM's ``lora_requests_info``: the adapters (names, comma-separated) of the running and

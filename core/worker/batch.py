@@ -58,7 +58,11 @@ class Batch:
     """One step as hooks see it: ``requests`` in flat row order with ``num_scheduled_tokens``;
     ``sampling_requests`` are the rows of the logits (requests whose chunk reaches their end),
     and ``sampling_positions`` the index each row's sampled token will have in its sequence
-    (``num_computed_tokens`` plus the scheduled count), whatever the batch or the chunking."""
+    (``num_computed_tokens`` plus the scheduled count), whatever the batch or the chunking.
+
+    Under speculative decoding a request verifying k drafts (``spec_token_ids``) has k + 1
+    consecutive logits rows: it appears k + 1 times in ``sampling_requests``, its positions
+    counting up; row j predicts the token after its j-th draft."""
 
     requests: list[CachedRequestState]
     num_scheduled_tokens: list[int]
@@ -70,6 +74,9 @@ class Batch:
     rows: np.ndarray | None = None
     # The sampling requests' ``sampler_row``s as the persistent batch keeps them, [5, rows] float32.
     sampler_table: np.ndarray | None = None
+    # A speculating step's drafts of each sampling request, once per request in order (empty:
+    # none); None in a step without drafts.
+    spec_token_ids: list[list[int]] | None = None
 
     def in_flight_token_ids(self) -> dict[str, int]:
         """The token each request sampled in the previous step, by request id: with async

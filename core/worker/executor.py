@@ -17,6 +17,7 @@ from hookllm.config import EngineConfig, ModelConfig
 from hookllm.outputs import LogprobsRow
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.sched.output import SchedulerOutput
+from hookllm.spec.verify import SpecDecodeOutput
 from hookllm.worker.kv_cache_groups import KVCacheGroups
 from hookllm.worker.multiproc_executor import MultiprocWorkers
 from hookllm.worker.worker import Worker
@@ -37,6 +38,10 @@ class StepResult(Protocol):
 
     def pooled(self) -> dict[str, torch.Tensor]:
         """By request: the pooled output (host, float32) of each pooling request this step completed."""
+        ...
+
+    def spec_decode(self) -> SpecDecodeOutput | None:
+        """A speculating step's emitted tokens and next drafts, per sampling row (None otherwise)."""
         ...
 
 

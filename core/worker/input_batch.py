@@ -5,7 +5,9 @@ A request takes a row the first time the runner runs it (new, or back after a pr
 gives it back when it finishes or is preempted. Its row holds what a step would otherwise
 rebuild from Python objects: each KV cache group's block table, on the host (the slot mapping is
 computed there) and on the device (the attention kernels read it), its sampler parameters, and
-its LoRA adapter's id (``lora_int_id``, -1 for none; the LoRA manager maps ids to slots).
+its LoRA adapter's id (``lora_int_id``, -1 for none; the LoRA manager maps ids to slots) and,
+under speculative decoding, its token ids so far (what a proposer searches, kept up to date
+with the tokens each step adds instead of rebuilt from the request's list every step).
 The scheduler sends only the block ids a table lacks (``SchedulerOutput.block_updates``: a new
 block every ``block_size`` tokens in a decode step), written to both copies; a step's block
 tables and sampler table are then gathers by row, on the device and the host.
@@ -29,8 +31,12 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 class InputBatch:
-    def __init__(self, num_groups: int, device: torch.device, num_rows: int = 16, num_columns: int = 64):
+    def __init__(self, num_groups: int, device: torch.device, num_rows: int = 16, num_columns: int = 64,
+                 keeps_token_ids: bool = False):
         self.device = device
+        self.keeps_token_ids = keeps_token_ids
+        self.token_ids = np.zeros((0, 0), dtype=np.int64)  # [rows, tokens] when keeps_token_ids
+        self.num_tokens = np.zeros(0, dtype=np.int64)
         self.row_of: dict[str, int] = {}
         self.free_rows: list[int] = []
         self.block_table = np.zeros((num_groups, 0, 0), dtype=np.int32)  # [groups, rows, columns]
@@ -56,7 +62,31 @@ class InputBatch:
         row = self.row_of.pop(request_id, None)
         if row is not None:
             self.num_blocks[row] = 0
+            self.num_tokens[row] = 0
             self.free_rows.append(row)
+
+    def write_token_ids(self, rows: np.ndarray, starts: np.ndarray, token_ids: Sequence[Sequence[int]]) -> None:
+        """Write each row's ``token_ids`` from its ``starts`` (a request's tokens as they come:
+        the scheduler's new ones, a step's emitted ones; one fancy-indexed write for all)."""
+        lengths = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
+        if not lengths.any():
+            return
+        ends = starts + lengths
+        if ends.max() > self.token_ids.shape[1]:
+            grown = np.zeros((self.token_ids.shape[0], _round_up(int(ends.max()) * 2, 256)), dtype=np.int64)
+            grown[:, :self.token_ids.shape[1]] = self.token_ids
+            self.token_ids = grown
+        entry_rows = np.repeat(rows, lengths)
+        columns = np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(starts - (np.cumsum(lengths) - lengths),
+                                                                          lengths)
+        self.token_ids[entry_rows, columns] = np.fromiter((t for ids in token_ids for t in ids), dtype=np.int64,
+                                                          count=len(columns))
+        np.maximum.at(self.num_tokens, rows, ends)
+
+    def token_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows' token ids ``[len(rows), longest]`` (padding after each one's length) and lengths."""
+        lengths = self.num_tokens[rows]
+        return self.token_ids[rows, :int(lengths.max(initial=0))], lengths
 
     def update_block_tables(self, rows: np.ndarray, updates: Sequence[tuple[int, int, np.ndarray]]) -> np.ndarray:
         """Write a step's block updates (``SchedulerOutput.block_updates``, indexed like ``rows``)
@@ -102,6 +132,8 @@ class InputBatch:
         self.row_of[request.request_id] = row
         self.sampler_table[:, row] = request.sampler_row
         self.lora_ids[row] = -1 if request.lora_request is None else request.lora_request.lora_int_id
+        if self.keeps_token_ids:
+            self.write_token_ids(np.array([row]), np.zeros(1, dtype=np.int64), [request.all_token_ids])
 
     def _grow(self, num_rows: int, num_columns: int) -> None:
         """Grow the rows to ``num_rows`` and the columns to hold ``num_columns`` (rarely: the
@@ -115,6 +147,9 @@ class InputBatch:
         self.sampler_table = np.concatenate(
             [self.sampler_table, np.zeros((SAMPLER_FIELDS, num_rows - old_rows), dtype=np.float32)], axis=1)
         self.lora_ids = np.concatenate([self.lora_ids, np.full(num_rows - old_rows, -1, dtype=np.int64)])
+        self.num_tokens = np.concatenate([self.num_tokens, np.zeros(num_rows - old_rows, dtype=np.int64)])
+        self.token_ids = np.concatenate(
+            [self.token_ids, np.zeros((num_rows - old_rows, self.token_ids.shape[1]), dtype=np.int64)])
         self.free_rows = list(range(num_rows - 1, old_rows - 1, -1)) + self.free_rows
         device_table = torch.zeros(table.shape, dtype=torch.int32, device=self.device)
         device_table[:, :old_rows, :old_columns] = self.device_block_table

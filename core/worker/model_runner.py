@@ -42,6 +42,8 @@ from hookllm.worker.penalties import AdjustedRows, LogitsAdjuster
 from hookllm.worker.pipeline_stage import PipelineStage
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.sched.output import SchedulerOutput
+from hookllm.spec.proposer import ProposalBatch
+from hookllm.spec.verify import SpecDecoder, SpecDecodeOutput, num_verified_rows, runs_ending_at, takes_drafts
 from hookllm.utils import to_device_async
 
 
@@ -104,6 +106,7 @@ class StepOutput:
         self._deferred = deferred
         self._device = device
         self._when_resolved: list[Callable[[], None]] = []  # called once, when the tokens reach the host
+        self.spec: SpecDecodeOutput | None = None  # a speculating step's, once verified
         if sampled is not None:
             self._copy_to_host(sampled)
 
@@ -179,6 +182,10 @@ class StepOutput:
             self._done.synchronize()
         return self._pooled
 
+    def spec_decode(self) -> SpecDecodeOutput | None:
+        """A speculating step's emitted tokens and next drafts, per sampling request."""
+        return self.spec
+
     def prompt_logprobs(self) -> dict[str, list[LogprobsRow]]:
         """By request: one row per prompt token this step predicted (its chunk's next tokens)."""
         self.finish()
@@ -228,6 +235,7 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None  # set by the worker unless enforce_eager
         self.stage: PipelineStage | None = None  # set by the worker under pipeline parallelism
         self.lora: LoRAManager | None = None  # set by the worker with enable_lora
+        self.spec: SpecDecoder | None = None  # set by the worker with speculative_config
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = input_batch  # the rows of the requests the runner has run and may run next
@@ -268,20 +276,42 @@ class ModelRunner:
                 self.lora.add_adapter(new.lora_request)
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_logprob_ids[new.request_id] = 0
+        # Speculative decoding: the new tokens also join the rows of token ids the proposer reads.
+        row_of = self.input_batch.row_of if self.input_batch.keeps_token_ids else {}
+        rows, starts, written = [], [], []
         for request_id, computed, new_tokens in zip(scheduler_output.request_ids, scheduler_output.num_computed_tokens,
                                                     scheduler_output.new_token_ids):
             state = self.requests[request_id]
             state.num_computed_tokens = computed
+            if new_tokens and request_id in row_of:
+                rows.append(row_of[request_id])
+                starts.append(len(state.all_token_ids))
+                written.append(new_tokens)
             state.all_token_ids += new_tokens
+        if rows:
+            self.input_batch.write_token_ids(np.asarray(rows, dtype=np.int64), np.asarray(starts, dtype=np.int64),
+                                             written)
 
     def make_batch(self, scheduler_output: SchedulerOutput, previous: StepOutput | None) -> Batch:
         requests = [self.requests[request_id] for request_id in scheduler_output.request_ids]
         counts = scheduler_output.num_scheduled_tokens
         sampling = scheduler_output.sampling_rows
         rows = self.input_batch.rows(scheduler_output.request_ids, self.requests)
-        return Batch(requests, counts, [requests[row] for row in sampling],
-                     [requests[row].num_computed_tokens + counts[row] for row in sampling], self.generator, previous,
-                     rows, self.input_batch.sampler_table[:, rows[sampling]])
+        positions = [requests[row].num_computed_tokens + counts[row] for row in sampling]
+        drafts = scheduler_output.spec_token_ids
+        if not drafts:
+            return Batch(requests, counts, [requests[row] for row in sampling], positions, self.generator, previous,
+                         rows, self.input_batch.sampler_table[:, rows[sampling]])
+        # A request verifying k drafts samples k + 1 rows, at the positions of the tokens they predict.
+        sampling_requests = [requests[row] for row in sampling]
+        verified = [drafts.get(request.request_id, []) for request in sampling_requests]
+        repeats = num_verified_rows(verified)
+        expanded = np.repeat(np.arange(len(sampling)), repeats)
+        row_positions = runs_ending_at(np.asarray(positions, dtype=np.int64), repeats)
+        return Batch(requests, counts, [sampling_requests[i] for i in expanded.tolist()], row_positions.tolist(),
+                     self.generator, previous, rows,
+                     self.input_batch.sampler_table[:, rows[np.asarray(sampling, dtype=np.int64)[expanded]]],
+                     spec_token_ids=verified)
 
     def build_inputs(self, batch: Batch, scheduler_output: SchedulerOutput) -> ModelInputs:
         requests, counts_list = batch.requests, batch.num_scheduled_tokens
@@ -293,13 +323,17 @@ class ModelRunner:
         num_tokens = int(query_start[-1])
         # A row's token ids are known on the host up to its request's length; with async
         # scheduling its last one may be the token the step still on the device samples.
-        lengths = np.fromiter(map(len, [r.all_token_ids for r in requests]), dtype=np.int64, count=num_seqs)
+        # Drafts (speculative decoding) are known too: they follow the request's tokens.
+        drafts = scheduler_output.spec_token_ids
+        histories = ([r.all_token_ids + drafts[r.request_id] if r.request_id in drafts else r.all_token_ids
+                      for r in requests] if drafts else [r.all_token_ids for r in requests])
+        lengths = np.fromiter(map(len, histories), dtype=np.int64, count=num_seqs)
         known = np.minimum(np.maximum(lengths - starts, 0), counts)
         pending = np.flatnonzero(known < counts)  # rows whose last input is in flight
         token_ids: list[int] = []
         for row in np.flatnonzero(known).tolist():  # none in a decode step with a step in flight
             start = int(starts[row])
-            token_ids += requests[row].all_token_ids[start:start + int(known[row])]
+            token_ids += histories[row][start:start + int(known[row])]
         input_ids = np.zeros(num_tokens, dtype=np.int64)
         pending_slots = query_start[1:][pending] - 1
         sources = pending  # the rows of the step in flight that sampled them
@@ -330,6 +364,8 @@ class ModelRunner:
             # first always is: Triton compiles a kernel variant per pointer alignment.
             slot_mapping = np.pad(slot_mapping, ((0, 0), (0, 1)))
         logits_indices = query_start[1:][np.asarray(scheduler_output.sampling_rows, dtype=np.int64)] - 1
+        if batch.spec_token_ids is not None:  # a request verifying k drafts samples its last k + 1 rows
+            logits_indices = runs_ending_at(logits_indices, num_verified_rows(batch.spec_token_ids))
         token_types = self._token_types(requests, counts, positions)
         lora_mapping = (self.lora.prepare_step(input_batch.lora_ids[batch.rows], counts)
                         if self.lora is not None else positions[:0])
@@ -449,7 +485,7 @@ class ModelRunner:
         adjusted = self.logits_adjuster.apply(logits, batch)
         jobs: list[LogitsJob] = self.hooks.hook.start_logits_job(batch=batch, context=self.hooks.context)
         request_ids = [r.request_id for r in batch.sampling_requests]
-        if jobs and previous is not None:
+        if jobs and previous is not None and not scheduler_output.speculates:
             early_errors: list[Exception] = []
             previous.when_resolved(partial(_tokens_ready, jobs, early_errors))
             running = self._job_thread().submit(_run_jobs, jobs)
@@ -457,7 +493,37 @@ class ModelRunner:
                               deferred=partial(self._sample_after_jobs, running, early_errors, logits, batch, adjusted,
                                                jobs))
         _run_jobs(jobs)
-        return StepOutput(request_ids, self._sample(logits, batch, adjusted, jobs), prompt_logprobs, pooled=pooled)
+        step = StepOutput(request_ids, self._sample(logits, batch, adjusted, jobs), prompt_logprobs, pooled=pooled)
+        if scheduler_output.speculates:
+            step.spec = self._verify_and_propose(batch, scheduler_output, step, hidden_states, logits.shape[1])
+        return step
+
+    def _verify_and_propose(self, batch: Batch, scheduler_output: SchedulerOutput, step: StepOutput,
+                            hidden_states: torch.Tensor, vocab_size: int) -> SpecDecodeOutput:
+        """A speculating step's outcome: what each sampling request emits (its drafts up to the
+        first its rows did not sample, then that row's token: :mod:`hookllm.spec.verify`), and
+        the proposer's guesses after those tokens. Reads the step's tokens (waits for the device)."""
+        requests = [self.requests[scheduler_output.request_ids[row]] for row in scheduler_output.sampling_rows]
+        drafts = batch.spec_token_ids or [[] for _ in requests]
+        sampled, logprobs = step.resolve()
+        token_ids, logprobs_rows, emitted = self.spec.verify(sampled, logprobs, drafts)
+        # The emitted tokens join each request's token row, which the proposer searches.
+        input_batch = self.input_batch
+        rows = input_batch.rows([r.request_id for r in requests], self.requests)
+        input_batch.write_token_ids(rows, np.fromiter(map(len, [r.all_token_ids for r in requests]), dtype=np.int64,
+                                                      count=len(requests)), token_ids)
+        guessing = [i for i, request in enumerate(requests) if takes_drafts(request)]
+        proposals: list[list[int]] = [[] for _ in requests]
+        if guessing:
+            index = np.asarray(guessing, dtype=np.int64)
+            history, lengths = input_batch.token_rows(rows[index])
+            first_rows = np.cumsum(num_verified_rows(drafts)) - num_verified_rows(drafts)
+            guesses = self.spec.propose(ProposalBatch(
+                [requests[i] for i in guessing], history, lengths, self.spec.config.num_speculative_tokens,
+                hidden_states, first_rows[index], emitted[index]), vocab_size)
+            for i, guess in zip(guessing, guesses):
+                proposals[i] = guess
+        return SpecDecodeOutput(token_ids, logprobs_rows, proposals)
 
     def _job_thread(self) -> ThreadPoolExecutor:
         """The one background thread that runs logits jobs, made for the first deferred step."""

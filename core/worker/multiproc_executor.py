@@ -25,6 +25,7 @@ import torch
 from hookllm.config import EngineConfig
 from hookllm.outputs import LogprobsRow
 from hookllm.sched.output import SchedulerOutput
+from hookllm.spec.verify import SpecDecodeOutput
 from hookllm.utils import process_context
 
 READY_TIMEOUT_S = 600.0  # loading a large checkpoint and capturing CUDA graphs takes a while
@@ -137,13 +138,14 @@ class _ResultSender:
                 step_output = self.pending.pop(0)
             if step_output is StopIteration:
                 return
-            self.conn.send(("result", (step_output.resolve(), step_output.prompt_logprobs(), step_output.pooled())
-                                      if step_output is not None else None))
+            self.conn.send(("result", (step_output.resolve(), step_output.prompt_logprobs(), step_output.pooled(),
+                                       step_output.spec_decode()) if step_output is not None else None))
 
 
 # The reporting rank's answer for one step: (token ids, logprobs entries), the prompt logprobs by
-# request and the pooled outputs by request.
-RankAnswer = tuple[tuple[list[int], list[LogprobsRow | None]], dict[str, list[LogprobsRow]], dict[str, torch.Tensor]]
+# request, the pooled outputs by request and a speculating step's emitted tokens and drafts.
+RankAnswer = tuple[tuple[list[int], list[LogprobsRow | None]], dict[str, list[LogprobsRow]], dict[str, torch.Tensor],
+                   SpecDecodeOutput | None]
 
 
 class RemoteStepOutput:
@@ -167,6 +169,9 @@ class RemoteStepOutput:
 
     def pooled(self) -> dict[str, torch.Tensor]:
         return self._answer()[2]
+
+    def spec_decode(self) -> SpecDecodeOutput | None:
+        return self._answer()[3]
 
     def token_ids(self) -> list[int]:
         return self.resolve()[0]

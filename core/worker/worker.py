@@ -33,6 +33,7 @@ from hookllm.worker.pooler import Pooler
 from hookllm.worker.model_runner import ModelRunner, StepOutput
 from hookllm.worker.pipeline_stage import PipelineStage
 from hookllm.plugins.components import ComponentKind
+from hookllm.spec.verify import SpecDecoder
 from hookllm.pooling_params import POOLING_TYPES
 from hookllm.plugins.context import EngineContext
 from hookllm.plugins.contract import capability
@@ -81,6 +82,11 @@ def resolve_model(config: EngineConfig, plugin_manager: PluginManager) -> tuple[
     if config.enable_expert_parallel and not capability(model_cls, "supports_expert_parallel"):
         raise ValueError(f"enable_expert_parallel: {model_config.architecture} served by {owner!r} has no "
                          "expert-parallel MoE layers (the native MoE adapters do)")
+    if config.speculative_config is not None:
+        if model_config.runner == "pooling":
+            raise ValueError("speculative_config: the pooling runner samples no tokens to speculate on")
+        model_config.spec_proposer = plugin_manager.component(ComponentKind.SPEC_PROPOSER,
+                                                              config.speculative_config.method)
     active = selected + ([owner] if owner not in selected else [])
     context = EngineContext(config, model_config, registry)
     return model_config, plugin_manager.active_hooks(active, default_hooks, context)
@@ -159,8 +165,12 @@ class Worker:
         pooler = Pooler.for_model(model_config, self.device, model) if model_config.pooler is not None else None
         self.runner = ModelRunner(model, hooks, self.device, config.block_size, self.attention_backend, config.seed,
                                   InputBatch(self.kv_cache_groups.num_groups, self.device, config.max_num_seqs,
-                                             -(-model_config.max_model_len // config.block_size)), pooler)
+                                             -(-model_config.max_model_len // config.block_size),
+                                             keeps_token_ids=config.speculative_config is not None), pooler)
         self.runner.lora = self.lora
+        if config.speculative_config is not None:
+            self.runner.spec = SpecDecoder(config.speculative_config,
+                                           model_config.spec_proposer(config.speculative_config, hooks.context))
         if config.pipeline_parallel_size > 1:
             self.runner.stage = PipelineStage(capability(model, "pipeline_intermediate_count"),
                                               text_config_of(model_config.hf_config).hidden_size, self.dtype, self.device)

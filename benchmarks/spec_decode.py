@@ -1,0 +1,221 @@
+"""Speculative decoding: time per output token at batch 1, output tok/s at batch 64, and
+workload A with ``disable_by_batch_size``, each against the same engine setup without it.
+
+Random weights accept nothing a real proposer guesses, so the proposer here replays the target's
+own greedy output, recorded in a first run without speculation, and corrupts each guessed token
+with a probability chosen for a stated mean acceptance length (tokens a request emits per
+speculating step: 1 + the drafts kept; with k drafts each right with probability a, it is
+1 + a + ... + a^k). The engine's own counters give the length reached, reported beside the
+target (a verification step computes its rows in another kernel shape than a one-token decode,
+so a near-tie may come out the other way in bf16, after which that request's replay has nothing
+right to guess).
+
+Runs, in one process on one GPU:
+
+1. an engine without speculation: batch 1 (one prompt of ``--prompt-len`` tokens decoding
+   ``--output-len``), batch 64 (64 such requests), workload A; greedy, their outputs recorded;
+2. one engine with ``speculative_config`` ``{"method": "replay", "num_speculative_tokens": 6,
+   "disable_by_batch_size": --disable-by-batch-size}``: batch 1 for every k in ``--ks`` and mean
+   length in ``--lengths`` (the proposer gives k guesses), batch 64 at k=4 and the length 3.0,
+   workload A (its tail, once few requests run, speculates);
+3. the proposers' own cost per step: the n-gram lookup for 256 requests of 1,024 tokens each.
+
+    python benchmarks/spec_decode.py --shape llama-3.1-8b
+
+Writes JSON to benchmarks/results/spec-decode-<shape>.json (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import add_out_argument, commit, device_name, now, synchronize, write_result  # noqa: E402
+from throughput import (add_engine_arguments, checkpoint, engine_kwargs, random_workload,  # noqa: E402
+                        resolve_engine_arguments)
+
+MAX_K = 6
+
+
+class ReplayProposer:
+    """Guesses the recorded greedy continuation (``answers``: prompt -> output ids), each guess
+    kept right with probability ``accuracy`` (else another token), at most ``k`` of them."""
+
+    answers: dict[tuple[int, ...], list[int]] = {}
+    accuracy = 1.0
+    k = MAX_K
+
+    def __init__(self, config, context):
+        self.rng = np.random.default_rng(0)
+        self.vocab_size = context.model_config.hf_config.vocab_size
+
+    def propose(self, batch):
+        guesses = []
+        for i, request in enumerate(batch.requests):
+            answer = ReplayProposer.answers.get(tuple(request.prompt_token_ids), [])
+            done = int(batch.num_tokens[i]) - request.num_prompt_tokens
+            guess = np.asarray(answer[done:done + ReplayProposer.k], dtype=np.int64)
+            wrong = self.rng.random(len(guess)) >= ReplayProposer.accuracy
+            guess[wrong] = (guess[wrong] + 1 + self.rng.integers(0, self.vocab_size - 1, int(wrong.sum()))) \
+                % self.vocab_size
+            guesses.append(guess.tolist())
+        return guesses
+
+
+def register_spec_proposers(proposers) -> None:
+    proposers.add("replay", ReplayProposer)
+
+
+def accuracy_for(length: float, k: int) -> float:
+    """The per-guess accuracy a for which 1 + a + ... + a^k equals ``length`` (bisection)."""
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        a = (low + high) / 2
+        low, high = (a, high) if sum(a ** i for i in range(k + 1)) < length else (low, a)
+    return (low + high) / 2
+
+
+def make_engine(path: Path, args, speculative_config: dict | None):
+    from hookllm import EngineConfig, hookimpl
+    from hookllm.engine.llm_engine import LLMEngine
+    from hookllm.plugins.manager import PluginInfo, PluginManager, discover_plugins
+
+    plugins = discover_plugins()
+    module = types.ModuleType("replay_proposer")
+    module.register_spec_proposers = hookimpl(register_spec_proposers)
+    plugins["replay_proposer"] = PluginInfo("replay_proposer", module)
+    config = EngineConfig(str(path), max_model_len=4096, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, speculative_config=speculative_config,
+                          **engine_kwargs(args))
+    return LLMEngine(config, PluginManager(plugins))
+
+
+def run(engine, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, list[list[int]]]:
+    """Seconds to generate every prompt greedily to its length (ignore_eos), and the outputs."""
+    from hookllm import SamplingParams
+
+    engine.reset_prefix_cache()
+    synchronize()
+    start = time.perf_counter()
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=n,
+                                                                                ignore_eos=True))
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output.outputs[0].token_ids
+    synchronize()
+    return time.perf_counter() - start, [outputs[str(i)] for i in range(len(prompts))]
+
+
+def acceptance_length(engine, before) -> float:
+    """Mean tokens emitted per speculating step since ``before`` (engine stats)."""
+    stats = engine.get_stats()
+    drafts = stats.spec_num_drafts - before.spec_num_drafts
+    accepted = stats.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    return 1 + accepted / drafts if drafts else 1.0
+
+
+def ngram_cost(num_requests: int = 256, length: int = 1024, k: int = 4) -> float:
+    """Seconds of one n-gram lookup (lengths 5 down to 1) over ``num_requests`` histories."""
+    from hookllm.spec.ngram import prompt_lookup
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 32000, (num_requests, length))
+    lengths = np.full(num_requests, length)
+    prompt_lookup(tokens, lengths, k, 1, 5)
+    start = time.perf_counter()
+    for _ in range(5):
+        prompt_lookup(tokens, lengths, k, 1, 5)
+    return (time.perf_counter() - start) / 5
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_arguments(parser)
+    parser.set_defaults(shape="llama-3.1-8b")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--ks", default="2,4,6", help="drafts per step at batch 1")
+    parser.add_argument("--lengths", default="1.5,2.0,3.0", help="mean acceptance lengths at batch 1")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--disable-by-batch-size", type=int, default=16)
+    parser.add_argument("--num-requests", type=int, default=None, help="workload A's requests (default 256)")
+    add_out_argument(parser)
+    args = parser.parse_args()
+    resolve_engine_arguments(args)
+    from hookllm.distributed import cleanup_dist_env_and_memory
+
+    path = checkpoint(args)
+    shape = "tiny" if args.tiny else args.shape
+    rng = np.random.default_rng(0)
+    vocab = 300 if args.tiny else 10000
+    single = [rng.integers(0, vocab, args.prompt_len).tolist()]
+    batch = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.batch)]
+    a_prompts, a_tokens = random_workload("a", args.num_requests)
+    a_prompts = [[t % vocab for t in p] for p in a_prompts]
+    workloads = {"batch 1": (single, [args.output_len]), f"batch {args.batch}": (batch, [args.output_len] * args.batch),
+                 "workload A": (a_prompts, a_tokens)}
+
+    engine = make_engine(path, args, None)
+    run(engine, single, [8])  # untimed: what the start-up warm-up left to compile
+    base: dict[str, float] = {}
+    for name, (prompts, max_tokens) in workloads.items():
+        seconds, outputs = run(engine, prompts, max_tokens)
+        base[name] = seconds
+        ReplayProposer.answers.update({tuple(p): out for p, out in zip(prompts, outputs)})
+        print(f"no speculation, {name}: {sum(max_tokens) / seconds:.0f} tok/s", flush=True)
+    engine.shutdown()
+    del engine
+    cleanup_dist_env_and_memory()
+
+    engine = make_engine(path, args, {"method": "replay", "num_speculative_tokens": MAX_K,
+                                      "disable_by_batch_size": args.disable_by_batch_size})
+    ReplayProposer.k, ReplayProposer.accuracy = 1, 1.0
+    run(engine, single, [8])
+    rows = []
+
+    def measure(name: str, k: int, length: float) -> None:
+        prompts, max_tokens = workloads[name]
+        ReplayProposer.k, ReplayProposer.accuracy = k, accuracy_for(length, k) if length < k + 1 else 1.0
+        before = engine.get_stats()
+        seconds, _ = run(engine, prompts, max_tokens)
+        tokens = sum(max_tokens)
+        row = {"workload": name, "k": k, "target_length": length, "length": acceptance_length(engine, before),
+               "output_tok_s": tokens / seconds, "base_output_tok_s": tokens / base[name],
+               "x_base": base[name] / seconds}
+        if name == "batch 1":
+            row["tpot_ms"], row["base_tpot_ms"] = seconds / tokens * 1e3, base[name] / tokens * 1e3
+        rows.append(row)
+        print(row, flush=True)
+
+    for k in map(int, args.ks.split(",")):
+        for length in map(float, args.lengths.split(",")):
+            if length <= k + 1:
+                measure("batch 1", k, length)
+    measure(f"batch {args.batch}", 4, 3.0)
+    measure("workload A", 4, 3.0)
+    engine.shutdown()
+
+    cost = {"ngram_lookup_256x1024_s": ngram_cost()}
+    payload = {"benchmark": "spec_decode", "shape": shape, "device": device_name(), "commit": commit(), "date": now(),
+               "prompt_len": args.prompt_len, "output_len": args.output_len,
+               "disable_by_batch_size": args.disable_by_batch_size, "rows": rows, "proposer_cost": cost}
+    write_result(f"spec-decode-{shape}", payload, args.out)
+    print(f"\n{'workload':<12} {'k':>2} {'target':>6} {'length':>6} {'tok/s':>8} {'base':>8} {'x':>6} {'TPOT x':>7}")
+    for row in rows:
+        tpot = f"{row['tpot_ms'] / row['base_tpot_ms']:.3f}" if "tpot_ms" in row else ""
+        print(f"{row['workload']:<12} {row['k']:>2} {row['target_length']:>6.2f} {row['length']:>6.2f} "
+              f"{row['output_tok_s']:>8.0f} {row['base_output_tok_s']:>8.0f} {row['x_base']:>6.3f} {tpot:>7}")
+    print(f"n-gram lookup, 256 requests x 1,024 tokens: {cost['ngram_lookup_256x1024_s'] * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

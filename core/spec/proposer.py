@@ -1,0 +1,76 @@
+"""The proposer contract: what speculative decoding asks of a method that guesses tokens.
+
+After each step that speculates, the model runner hands the proposer one
+:class:`ProposalBatch`: the requests that sampled (those whose sampling allows drafts), each
+one's whole token history with the tokens this step emitted, and the target model's hidden
+states of the rows it verified. The proposer returns up to ``num_speculative_tokens`` guesses
+per request; the next step feeds them to the target after the request's last token, and
+verification keeps the longest prefix the target itself samples (:mod:`hookllm.spec.verify`).
+A guess changes nothing but speed: wrong ones cost a row of the next step each.
+
+Proposers are named components: a plugin registers a class with the ``register_spec_proposers``
+hook, ``speculative_config``'s ``method`` picks it, and each worker makes one with
+``cls(config, context)``. It runs on the worker's thread, between steps: a proposer that raises
+only loses that step's guesses (logged once), never a request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from hookllm.plugins.components import ComponentKind, Components
+
+if TYPE_CHECKING:
+    from hookllm.plugins.context import EngineContext
+    from hookllm.spec.config import SpeculativeConfig
+    from hookllm.worker.batch import CachedRequestState
+
+
+@dataclass
+class ProposalBatch:
+    """The requests a proposer guesses for, after one step, in order."""
+
+    requests: Sequence[CachedRequestState]  # read-only: id, sampling parameters, prompt
+    token_ids: np.ndarray  # [requests, width] int64: each one's prompt and output so far, then -1 padding
+    num_tokens: np.ndarray  # [requests] int64: the length of each history in token_ids
+    num_speculative_tokens: int  # the most guesses a request may get
+    # [rows, hidden] on the device: the target's last hidden states at the rows this step
+    # verified (a request's emitted tokens came from its first ``num_emitted`` rows).
+    hidden_states: torch.Tensor | None = None
+    hidden_rows: np.ndarray | None = None  # [requests] int64: each request's first row in hidden_states
+    num_emitted: np.ndarray | None = None  # [requests] int64: tokens each request emitted this step
+
+    def history(self, index: int) -> list[int]:
+        """The token ids of request ``index``: its prompt and output so far."""
+        return self.token_ids[index, :self.num_tokens[index]].tolist()
+
+
+# What a proposer returns: per request a list of guessed ids, or a [requests, k] int array padded
+# with -1 (``counts`` then tells how many of each row are guesses).
+Proposals = Sequence[Sequence[int]] | tuple[np.ndarray, np.ndarray]
+
+
+class Proposer(Protocol):
+    """A speculative decoding method: made once per worker, ``cls(config, context)``."""
+
+    def __init__(self, config: SpeculativeConfig, context: EngineContext) -> None:
+        """``config`` is the engine's ``speculative_config``; ``context`` its plugins' context."""
+
+    def propose(self, batch: ProposalBatch) -> Proposals:
+        """Guess each request's next tokens: up to ``batch.num_speculative_tokens`` ids per
+        request (fewer, or none, where it has no good guess)."""
+
+
+class SpecProposers:
+    """What ``register_spec_proposers`` receives: ``add(name, cls)`` registers a proposer class,
+    chosen by ``speculative_config``'s ``method`` NAME."""
+
+    def __init__(self, components: Components):
+        self.components = components
+
+    def add(self, name: str, proposer: type[Proposer]) -> None:
+        self.components.add(ComponentKind.SPEC_PROPOSER, name, proposer)

@@ -1,0 +1,35 @@
+"""Speculative decoding on CUDA: verification steps run through the CUDA graphs of steps with
+several tokens per request, with async scheduling on; in float32 a request's tokens are those
+the engine gives without speculation, greedy or seeded.
+
+Run on a machine with a GPU: ``pytest -m gpu tests/gpu/test_spec_decode_gpu.py``. Skipped without CUDA.
+"""
+
+import pytest
+import torch
+
+from hookllm import SamplingParams, testing
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+from test_spec_decode import Oracle, generate, make_engine, oracle_config, spec_counts  # noqa: E402
+
+PROMPTS = testing.random_prompts(16, 320, min_len=20, max_len=300, seed=3)
+OPTIONS = dict(device="cuda", dtype="float32", num_kv_blocks=None, gpu_memory_utilization=0.3)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=11)],
+                         ids=["greedy", "seeded"])
+def test_guessed_tokens_equal_tokens_without_speculation_under_cuda_graphs(small_llama, sampling):
+    params = SamplingParams(max_tokens=24, ignore_eos=True, **sampling)
+    engine = make_engine(small_llama, None, **OPTIONS)
+    expected, _ = generate(engine, PROMPTS, params)
+    engine.shutdown()
+    Oracle.answers, Oracle.offset, Oracle.fail = {tuple(p): out for p, out in zip(PROMPTS, expected)}, 0, False
+    engine = make_engine(small_llama, oracle_config(4), **OPTIONS)
+    assert engine.engine_core.executor.runner.cuda_graphs is not None
+    outputs, _ = generate(engine, PROMPTS, params)
+    engine.shutdown()
+    assert outputs == expected
+    drafted, accepted = spec_counts(engine)
+    assert accepted == drafted > 0
