@@ -1,7 +1,5 @@
 """``python -m hookllm``: the ``hookllm`` command."""
 
-import sys
+from hookllm.entrypoints.cli import console_main
 
-from hookllm.entrypoints.cli import main
-
-sys.exit(main())
+console_main()

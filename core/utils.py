@@ -64,7 +64,10 @@ def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 # The server process imports modules only (CUDA is not initialized there), and it inherits the
 # environment of the moment it starts: what a child must see, it is given as an argument.
 WORKER_MULTIPROC_METHOD_ENV = "HOOKLLM_WORKER_MULTIPROC_METHOD"
-PRELOADED_MODULES = ("torch", "transformers", "hookllm.engine.llm_engine")
+# transformers.video_utils: what loading a checkpoint's config imports in transformers 5 (torchvision
+# and torch._dynamo with it, several seconds): once in the server, not once per child. A module
+# missing from another transformers release is skipped.
+PRELOADED_MODULES = ("torch", "transformers", "transformers.video_utils", "hookllm.engine.llm_engine")
 
 
 def process_context() -> multiprocessing.context.BaseContext:

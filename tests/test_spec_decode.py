@@ -234,6 +234,51 @@ def test_stop_tokens_and_max_tokens_inside_an_accepted_run(tiny_llama_dir, expec
     assert outputs[1] == expected_greedy[1][:7]
 
 
+def final_outputs(engine: LLMEngine, prompts: list, params: SamplingParams) -> list:
+    """Each prompt's finished CompletionOutput."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0]
+    return [finished[str(i)] for i in range(len(prompts))]
+
+
+def test_a_stop_string_inside_an_accepted_run_cuts_the_text_there(tiny_llama_dir, oracle):
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    engine = make_engine(tiny_llama_dir, None)
+    plain = final_outputs(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    stop = plain[0].text[len(plain[0].text) // 2:][:2]  # two characters from the middle of the first text
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop])
+    expected = final_outputs(engine, prompts, params)
+    engine.shutdown()
+    assert expected[0].finish_reason == "stop"
+    oracle.answers = {tuple(p["prompt_token_ids"]): out.token_ids for p, out in zip(prompts, plain)}
+    engine = make_engine(tiny_llama_dir, oracle_config(6))
+    outputs = final_outputs(engine, prompts, params)
+    assert [(o.text, o.finish_reason, o.stop_reason) for o in outputs] == \
+        [(o.text, o.finish_reason, o.stop_reason) for o in expected]
+    assert spec_counts(engine)[1] > 0
+
+
+def test_structured_output_requests_decode_without_guesses_and_stay_valid(tiny_llama_dir, oracle):
+    from hookllm.sampling_params import StructuredOutputsParams
+
+    choices = ["alpha beta gamma", "delta epsilon"]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(
+        choice=choices))
+    engine = make_engine(tiny_llama_dir, None, plugins=["structured"])
+    expected = final_outputs(engine, [{"prompt_token_ids": PROMPTS[0]}], params)
+    engine.shutdown()
+    oracle.answers = {tuple(PROMPTS[0]): expected[0].token_ids}
+    engine = make_engine(tiny_llama_dir, oracle_config(4), plugins=["structured"])
+    outputs = final_outputs(engine, [{"prompt_token_ids": PROMPTS[0]}], params)
+    assert outputs[0].text == expected[0].text and outputs[0].text in choices
+    assert spec_counts(engine) == (0, 0)
+
+
 def test_logprobs_are_those_of_the_emitted_tokens(tiny_llama_dir, expected_greedy, oracle):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
     engine = make_engine(tiny_llama_dir, None)

@@ -323,17 +323,19 @@ class ModelRunner:
         num_tokens = int(query_start[-1])
         # A row's token ids are known on the host up to its request's length; with async
         # scheduling its last one may be the token the step still on the device samples.
-        # Drafts (speculative decoding) are known too: they follow the request's tokens.
-        drafts = scheduler_output.spec_token_ids
-        histories = ([r.all_token_ids + drafts[r.request_id] if r.request_id in drafts else r.all_token_ids
-                      for r in requests] if drafts else [r.all_token_ids for r in requests])
-        lengths = np.fromiter(map(len, histories), dtype=np.int64, count=num_seqs)
+        lengths = np.fromiter(map(len, [r.all_token_ids for r in requests]), dtype=np.int64, count=num_seqs)
+        drafts = scheduler_output.spec_token_ids  # speculative decoding: known too, after the request's tokens
+        if drafts:
+            lengths += [len(drafts.get(r.request_id, ())) for r in requests]
         known = np.minimum(np.maximum(lengths - starts, 0), counts)
         pending = np.flatnonzero(known < counts)  # rows whose last input is in flight
         token_ids: list[int] = []
         for row in np.flatnonzero(known).tolist():  # none in a decode step with a step in flight
-            start = int(starts[row])
-            token_ids += histories[row][start:start + int(known[row])]
+            start, count, history = int(starts[row]), int(known[row]), requests[row].all_token_ids
+            taken = history[start:start + count]
+            token_ids += taken
+            if len(taken) < count:  # the rest are its drafts
+                token_ids += drafts[requests[row].request_id][max(start - len(history), 0):][:count - len(taken)]
         input_ids = np.zeros(num_tokens, dtype=np.int64)
         pending_slots = query_start[1:][pending] - 1
         sources = pending  # the rows of the step in flight that sampled them
