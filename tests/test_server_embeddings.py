@@ -8,7 +8,7 @@ import openai
 import pytest
 import torch
 
-from server_fixtures import Server
+from server_fixtures import HOST, Server, free_port
 from pooling_fixtures import sentence_transformer
 
 TEXTS = ["hello world", "the quick brown fox", "x"]
@@ -18,9 +18,10 @@ TEXTS = ["hello world", "the quick brown fox", "x"]
 def embedding_server(tiny_llama_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("st-mean")
     reference = sentence_transformer(tiny_llama_dir, folder, "mean", normalize=True)
+    grpc_port = free_port()
     server = Server([str(folder), "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "64",
-                     "--served-model-name", "embedder"])
-    server.reference = reference
+                     "--served-model-name", "embedder", "--grpc-port", str(grpc_port)])
+    server.reference, server.grpc_port = reference, grpc_port
     yield server
     server.stop()
 
@@ -68,25 +69,15 @@ def test_an_empty_input_list_is_a_400(embedding_server):
     assert response.status_code == 400
 
 
-def test_grpc_embed_equals_the_http_embedding(tiny_llama_dir, tmp_path_factory):
+def test_grpc_embed_equals_the_http_embedding(embedding_server):
     from hookllm.grpc import vllm_engine_pb2 as pb2
     from hookllm.grpc_client import GrpcClient
-    from server_fixtures import HOST, free_port
 
-    folder = tmp_path_factory.mktemp("st-grpc")
-    sentence_transformer(tiny_llama_dir, folder, "lasttoken", normalize=True)
-    grpc_port = free_port()
-    server = Server([str(folder), "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "32",
-                     "--grpc-port", str(grpc_port)])
-    try:
-        with GrpcClient(f"{HOST}:{grpc_port}", timeout=60) as client:
-            reply = client.stub.Embed(pb2.EmbedRequest(tokenized=pb2.TokenizedInput(input_ids=[5, 6, 7, 8])),
-                                      timeout=60)
-        over_http = httpx.post(server.url + "/v1/embeddings", json={"input": [5, 6, 7, 8]}, timeout=60).json()
-        assert reply.prompt_tokens == 4 and reply.embedding_dim == 64
-        assert list(reply.embedding) == pytest.approx(over_http["data"][0]["embedding"], abs=1e-6)
-    finally:
-        server.stop()
+    with GrpcClient(f"{HOST}:{embedding_server.grpc_port}", timeout=60) as client:
+        reply = client.stub.Embed(pb2.EmbedRequest(tokenized=pb2.TokenizedInput(input_ids=[5, 6, 7, 8])), timeout=60)
+    over_http = httpx.post(embedding_server.url + "/v1/embeddings", json={"input": [5, 6, 7, 8]}, timeout=60).json()
+    assert reply.prompt_tokens == 4 and reply.embedding_dim == 64
+    assert list(reply.embedding) == pytest.approx(over_http["data"][0]["embedding"], abs=1e-6)
 
 
 def test_pooling_gives_every_tokens_hidden_state_or_the_embedding(embedding_server, tiny_llama_reference):

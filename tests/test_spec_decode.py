@@ -124,6 +124,21 @@ def test_right_guesses_are_accepted_and_save_steps(tiny_llama_dir, expected_gree
     assert stats.spec_accepted_per_position[0] == stats.spec_num_drafts
 
 
+def test_each_request_counts_its_guesses_in_its_metrics(tiny_llama_dir, expected_greedy, oracle):
+    oracle.answers = {tuple(p): out for p, out in zip(PROMPTS, expected_greedy)}
+    oracle.offset = 0
+    engine = make_engine(tiny_llama_dir, oracle_config(3))
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, testing.greedy(MAX_TOKENS))
+    metrics = []
+    while engine.has_unfinished_requests():
+        metrics += [output.metrics for output in engine.step() if output.finished]
+    drafted, accepted = spec_counts(engine)
+    assert sum(m.spec_num_draft_tokens for m in metrics) == drafted > 0
+    assert sum(m.spec_num_accepted_tokens for m in metrics) == accepted > 0
+    assert all(m.spec_num_accepted_tokens <= m.spec_num_draft_tokens for m in metrics)
+
+
 def test_wrong_guesses_change_nothing(tiny_llama_dir, expected_greedy, oracle):
     oracle.answers, oracle.offset = {tuple(p): out for p, out in zip(PROMPTS, expected_greedy)}, 1
     engine = make_engine(tiny_llama_dir, oracle_config(4))
@@ -281,27 +296,16 @@ def test_structured_output_requests_decode_without_guesses_and_stay_valid(tiny_l
 
 def test_logprobs_are_those_of_the_emitted_tokens(tiny_llama_dir, expected_greedy, oracle):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
     engine = make_engine(tiny_llama_dir, None)
-    for i, prompt in enumerate(PROMPTS[:2]):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-    expected = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                expected[output.request_id] = output.outputs[0].logprobs
+    expected = final_outputs(engine, prompts, params)
     engine.shutdown()
     oracle.answers = {tuple(p): out for p, out in zip(PROMPTS, expected_greedy)}
     engine = make_engine(tiny_llama_dir, oracle_config(4))
-    for i, prompt in enumerate(PROMPTS[:2]):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-    got = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                got[output.request_id] = output.outputs[0].logprobs
-    for request_id, entries in expected.items():
-        assert len(got[request_id]) == len(entries) == 10
-        for want, have in zip(entries, got[request_id]):
+    got = final_outputs(engine, prompts, params)
+    for want_output, have_output in zip(expected, got):
+        assert len(have_output.logprobs) == len(want_output.logprobs) == 10
+        for want, have in zip(want_output.logprobs, have_output.logprobs):
             assert list(want) == list(have)
             np.testing.assert_allclose([want[t].logprob for t in want], [have[t].logprob for t in want], atol=1e-5)
     assert spec_counts(engine)[1] > 0

@@ -39,6 +39,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     stop_reason: int | None  # the stop token id that ended it
     num_cached_tokens: int  # prompt tokens found in the prefix cache at first admission
     pooled: Any = None  # a pooling request's output (a host float32 tensor), in the step that ends it
+    num_draft_tokens: int = 0  # speculative decoding: the guesses this step verified for it
+    num_accepted_tokens: int = 0  # ... and those it kept
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
@@ -200,12 +202,12 @@ class EngineCore:
         """A finished step: the scheduler takes its tokens; each request that advanced reports."""
         prompt_logprobs = result.prompt_logprobs()
         outputs = []
-        for request, token_ids, logprobs in self._sampled_tokens(batch, result):
+        for request, token_ids, logprobs, drafted, accepted in self._sampled_tokens(batch, result):
             outputs.append(EngineCoreOutput(
                 request.request_id, token_ids, logprobs,
                 prompt_logprobs.pop(request.request_id, None) if prompt_logprobs else None,
                 request.status.value if request.is_finished else None, request.stop_reason,
-                request.num_cached_tokens or 0))
+                request.num_cached_tokens or 0, None, drafted, accepted))
         if batch.pooling_rows:
             pooled = result.pooled()
             outputs += [EngineCoreOutput(request.request_id, [], None, None, request.status.value, None,
@@ -220,20 +222,22 @@ class EngineCore:
         return EngineCoreOutputs(outputs, [new.request_id for new in batch.new_requests])
 
     def _sampled_tokens(self, batch: SchedulerOutput, result: StepResult
-                        ) -> Iterator[tuple[Request, list[int], list[LogprobsRow] | None]]:
-        """Each request that took tokens from the step: those tokens and their logprobs rows
-        (None when not asked)."""
+                        ) -> Iterator[tuple[Request, list[int], list[LogprobsRow] | None, int, int]]:
+        """Each request that took tokens from the step: those tokens, their logprobs rows (None
+        when not asked), and the guesses it verified and kept (speculative decoding)."""
         if batch.speculates:
             spec = result.spec_decode()
             for request, row, taken in self.scheduler.update_from_spec_output(batch, spec.token_ids,
                                                                                spec.draft_token_ids):
                 rows = spec.logprobs[row][:taken]
-                yield request, spec.token_ids[row][:taken], None if rows[0] is None else rows
+                drafted = len(batch.spec_token_ids.get(request.request_id, ()))
+                yield (request, spec.token_ids[row][:taken], None if rows[0] is None else rows, drafted,
+                       len(spec.token_ids[row]) - 1 if drafted else 0)
             return
         token_ids, logprobs = result.resolve()
         for request, row in self.scheduler.update_from_output(batch, token_ids):
             logprobs_row = logprobs[row]
-            yield request, [token_ids[row]], None if logprobs_row is None else [logprobs_row]
+            yield request, [token_ids[row]], None if logprobs_row is None else [logprobs_row], 0, 0
 
     def _release_finished_if_idle(self) -> None:
         """Finished requests reach the worker with the next batch; with none coming, send them now

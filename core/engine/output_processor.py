@@ -186,6 +186,9 @@ class OutputProcessor:
             if not core_output.new_token_ids:
                 continue
             state.num_cached_tokens = core_output.num_cached_tokens
+            if core_output.num_draft_tokens:
+                state.metrics.spec_num_draft_tokens += core_output.num_draft_tokens
+                state.metrics.spec_num_accepted_tokens += core_output.num_accepted_tokens
             if core_output.finish_reason is not None:
                 state.finish_reason, state.stop_reason = core_output.finish_reason, core_output.stop_reason
             # Several tokens under speculative decoding: those after a stop string are dropped.
