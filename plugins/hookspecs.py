@@ -407,8 +407,10 @@ def process_logits(logits: torch.Tensor, batch: Batch, context: EngineContext) -
     ``extra_args``), ``prompt_token_ids``, ``output_token_ids``, ``mm_items``. With async
     scheduling (the CUDA default) a decoding request's ``output_token_ids`` lacks the token of
     the step still running on the device; ``batch.exact_output_token_ids()`` waits for that
-    step alone (not this one) and returns every sampling row's complete output ids. Logits
-    jobs (``start_logits_job``) have been applied already::
+    step alone (not this one) and returns every sampling row's complete output ids. Under
+    speculative decoding a request checking k guessed tokens has k + 1 consecutive rows, one per
+    position (``batch.sampling_positions``); its ``output_token_ids`` lack the guesses before a
+    row. Logits jobs (``start_logits_job``) have been applied already::
 
         @hookimpl
         def process_logits(logits, batch):
