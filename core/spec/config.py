@@ -44,10 +44,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
-            raise ValueError(f"speculative_config's disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+            raise ValueError("speculative_config's disable_by_batch_size must be >= 1, got "
+                             f"{self.disable_by_batch_size}")
         if self.draft_tensor_parallel_size not in (None, 1):
-            raise ValueError(f"speculative_config's draft_tensor_parallel_size {self.draft_tensor_parallel_size} is not "
-                             "offered: a proposer runs on each rank whole (1)")
+            raise ValueError(f"speculative_config's draft_tensor_parallel_size {self.draft_tensor_parallel_size} "
+                             "is not offered: a proposer runs on each rank whole (1)")
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | str | dict | None") -> "SpeculativeConfig | None":

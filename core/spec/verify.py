@@ -47,6 +47,12 @@ def num_verified_rows(drafts: Sequence[Sequence[int]]) -> np.ndarray:
     return np.fromiter(map(len, drafts), dtype=np.int64, count=len(drafts)) + 1
 
 
+def verified_row_starts(drafts: Sequence[Sequence[int]]) -> np.ndarray:
+    """Each request's first row among a speculating step's verified rows."""
+    rows = num_verified_rows(drafts)
+    return np.cumsum(rows) - rows
+
+
 def runs_ending_at(last: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Each ``last[i]`` expanded to the ``lengths[i]`` consecutive values ending there, in order:
     ([5, 9], [2, 3]) -> [4, 5, 7, 8, 9]."""
@@ -94,7 +100,7 @@ class SpecDecoder:
         num_drafts = np.fromiter(map(len, drafts), dtype=np.int64, count=len(drafts))
         draft_ids = np.fromiter((t for d in drafts for t in d), dtype=np.int64, count=int(num_drafts.sum()))
         counts = num_emitted(np.asarray(sampled, dtype=np.int64), draft_ids, num_drafts)
-        starts = (np.cumsum(num_drafts + 1) - num_drafts - 1).tolist()
+        starts = verified_row_starts(drafts).tolist()
         tokens = [sampled[start:start + count] for start, count in zip(starts, counts.tolist())]
         rows = [logprobs[start:start + count] for start, count in zip(starts, counts.tolist())]
         return tokens, rows, counts

@@ -43,7 +43,8 @@ from hookllm.worker.pipeline_stage import PipelineStage
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.sched.output import SchedulerOutput
 from hookllm.spec.proposer import ProposalBatch
-from hookllm.spec.verify import SpecDecoder, SpecDecodeOutput, num_verified_rows, runs_ending_at, takes_drafts
+from hookllm.spec.verify import (SpecDecoder, SpecDecodeOutput, num_verified_rows, runs_ending_at, takes_drafts,
+                                 verified_row_starts)
 from hookllm.utils import to_device_async
 
 
@@ -334,8 +335,8 @@ class ModelRunner:
             start, count, history = int(starts[row]), int(known[row]), requests[row].all_token_ids
             taken = history[start:start + count]
             token_ids += taken
-            if len(taken) < count:  # the rest are its drafts
-                token_ids += drafts[requests[row].request_id][max(start - len(history), 0):][:count - len(taken)]
+            if len(taken) < count:  # the rest are its drafts (which follow a decoding request's last token)
+                token_ids += drafts[requests[row].request_id][:count - len(taken)]
         input_ids = np.zeros(num_tokens, dtype=np.int64)
         pending_slots = query_start[1:][pending] - 1
         sources = pending  # the rows of the step in flight that sampled them
@@ -505,24 +506,23 @@ class ModelRunner:
         """A speculating step's outcome: what each sampling request emits (its drafts up to the
         first its rows did not sample, then that row's token: :mod:`hookllm.spec.verify`), and
         the proposer's guesses after those tokens. Reads the step's tokens (waits for the device)."""
-        requests = [self.requests[scheduler_output.request_ids[row]] for row in scheduler_output.sampling_rows]
+        sampling_rows = np.asarray(scheduler_output.sampling_rows, dtype=np.int64)
+        requests = [batch.requests[row] for row in scheduler_output.sampling_rows]
         drafts = batch.spec_token_ids or [[] for _ in requests]
         sampled, logprobs = step.resolve()
         token_ids, logprobs_rows, emitted = self.spec.verify(sampled, logprobs, drafts)
         # The emitted tokens join each request's token row, which the proposer searches.
-        input_batch = self.input_batch
-        rows = input_batch.rows([r.request_id for r in requests], self.requests)
-        input_batch.write_token_ids(rows, np.fromiter(map(len, [r.all_token_ids for r in requests]), dtype=np.int64,
-                                                      count=len(requests)), token_ids)
+        rows = batch.rows[sampling_rows]
+        self.input_batch.write_token_ids(rows, np.fromiter(map(len, [r.all_token_ids for r in requests]),
+                                                           dtype=np.int64, count=len(requests)), token_ids)
         guessing = [i for i, request in enumerate(requests) if takes_drafts(request)]
         proposals: list[list[int]] = [[] for _ in requests]
         if guessing:
             index = np.asarray(guessing, dtype=np.int64)
-            history, lengths = input_batch.token_rows(rows[index])
-            first_rows = np.cumsum(num_verified_rows(drafts)) - num_verified_rows(drafts)
+            history, lengths = self.input_batch.token_rows(rows[index])
             guesses = self.spec.propose(ProposalBatch(
                 [requests[i] for i in guessing], history, lengths, self.spec.config.num_speculative_tokens,
-                hidden_states, first_rows[index], emitted[index]), vocab_size)
+                hidden_states, verified_row_starts(drafts)[index], emitted[index]), vocab_size)
             for i, guess in zip(guessing, guesses):
                 proposals[i] = guess
         return SpecDecodeOutput(token_ids, logprobs_rows, proposals)
