@@ -18,9 +18,15 @@ Runs, in one process on one GPU:
    "disable_by_batch_size": --disable-by-batch-size}``: batch 1 for every k in ``--ks`` and mean
    length in ``--lengths`` (the proposer gives k guesses), batch 64 at k=4 and the length 3.0,
    workload A (its tail, once few requests run, speculates);
-3. the proposers' own cost per step: the n-gram lookup for 256 requests of 1,024 tokens each.
+3. the proposers' own cost per step: the n-gram lookup for 256 requests of 1,024 tokens each;
+4. ``draft_model`` with a random draft of ``--draft-shape`` (its guesses are all wrong: random
+   weights disagree): batch 1 and batch 64 at k=4, the draft's time per step (its pass over the
+   step's tokens and its k guessing steps, timed apart) and the output rate then; with the
+   replay runs' step time at the same k, the rate a draft of that cost gives at each measured
+   acceptance length (``projected``: the tokens of a step over the replay's step time plus the
+   draft's; at batch 1 the time per output token is its inverse).
 
-    python benchmarks/spec_decode.py --shape llama-3.1-8b
+    python benchmarks/spec_decode.py --shape llama-3.1-8b --draft-shape llama-3.2-1b
 
 Writes JSON to benchmarks/results/spec-decode-<shape>.json (or ``--out``).
 """
@@ -36,7 +42,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_out_argument, commit, device_name, now, synchronize, write_result  # noqa: E402
+from common import (add_out_argument, commit, device_name, now, random_checkpoint, synchronize,  # noqa: E402
+                    write_result)
 from throughput import (add_engine_arguments, checkpoint, engine_kwargs, random_workload,  # noqa: E402
                         resolve_engine_arguments)
 
@@ -137,6 +144,62 @@ def ngram_cost(num_requests: int = 256, length: int = 1024, k: int = 4) -> float
     return (time.perf_counter() - start) / 5
 
 
+class DraftTimer:
+    """Seconds a draft model proposer spends (its ``follow`` and ``propose``), the device
+    synchronized around each call, summed since the last ``take``."""
+
+    def __init__(self, proposer):
+        self.seconds = 0.0
+        self.calls = 0
+        for name in ("follow", "propose"):
+            setattr(proposer, name, self._timed(getattr(proposer, name), name == "propose"))
+
+    def _timed(self, method, counts: bool):
+        def timed(*args, **kwargs):
+            synchronize()
+            start = time.perf_counter()
+            result = method(*args, **kwargs)
+            synchronize()
+            self.seconds += time.perf_counter() - start
+            self.calls += counts
+            return result
+        return timed
+
+    def take(self) -> float:
+        """Mean seconds per proposing step since the last take."""
+        mean = self.seconds / max(self.calls, 1)
+        self.seconds, self.calls = 0.0, 0
+        return mean
+
+
+def measure_draft_model(path: Path, draft: Path, args, workloads: dict, base: dict, rows: list[dict]) -> list[dict]:
+    """Section 4: the draft model's cost at batch 1 and ``--batch``, and the projection."""
+    engine = make_engine(path, args, {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4})
+    timer = DraftTimer(engine.engine_core.executor.runner.spec.proposer)
+    run(engine, workloads["batch 1"][0], [8])
+    timer.take()
+    draft_rows = []
+    for name in ("batch 1", f"batch {args.batch}"):
+        prompts, max_tokens = workloads[name]
+        before = engine.get_stats()
+        seconds, _ = run(engine, prompts, max_tokens)
+        tokens = sum(max_tokens)
+        row = {"workload": name, "k": 4, "length": acceptance_length(engine, before),
+               "draft_ms_per_step": timer.take() * 1e3, "output_tok_s": tokens / seconds,
+               "base_output_tok_s": tokens / base[name], "x_base": base[name] / seconds}
+        for replay in rows:
+            if replay["workload"] == name and replay["k"] == 4:
+                # A replay step emits length tokens per request; the draft adds its time to each.
+                emitted = len(prompts) * replay["length"]
+                step_s = emitted / replay["output_tok_s"] + row["draft_ms_per_step"] / 1e3
+                row.setdefault("projected_x_base", {})[f"{replay['length']:.2f}"] = (
+                    emitted / step_s / row["base_output_tok_s"])
+        draft_rows.append(row)
+        print(row, flush=True)
+    engine.shutdown()
+    return draft_rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_arguments(parser)
@@ -148,6 +211,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--disable-by-batch-size", type=int, default=16)
     parser.add_argument("--num-requests", type=int, default=None, help="workload A's requests (default 256)")
+    parser.add_argument("--draft-shape", default="llama-3.2-1b",
+                        help="the draft model's shape (section 4; with --tiny the tiny model itself); none: skip")
     add_out_argument(parser)
     args = parser.parse_args()
     resolve_engine_arguments(args)
@@ -203,11 +268,20 @@ def main() -> None:
     measure(f"batch {args.batch}", 4, 3.0)
     measure("workload A", 4, 3.0)
     engine.shutdown()
+    del engine
+    cleanup_dist_env_and_memory()
+
+    draft_rows = []
+    if args.draft_shape != "none":
+        draft = path if args.tiny else random_checkpoint(args.draft_shape, Path(args.root))
+        args.draft_shape = "tiny (the target itself)" if args.tiny else args.draft_shape
+        draft_rows = measure_draft_model(path, draft, args, workloads, base, rows)
 
     cost = {"ngram_lookup_256x1024_s": ngram_cost()}
     payload = {"benchmark": "spec_decode", "shape": shape, "device": device_name(), "commit": commit(), "date": now(),
                "prompt_len": args.prompt_len, "output_len": args.output_len,
-               "disable_by_batch_size": args.disable_by_batch_size, "rows": rows, "proposer_cost": cost}
+               "disable_by_batch_size": args.disable_by_batch_size, "rows": rows, "proposer_cost": cost,
+               "draft_shape": args.draft_shape, "draft_model_rows": draft_rows}
     write_result(f"spec-decode-{shape}", payload, args.out)
     print(f"\n{'workload':<12} {'k':>2} {'target':>6} {'length':>6} {'tok/s':>8} {'base':>8} {'x':>6} {'TPOT x':>7}")
     for row in rows:
@@ -215,6 +289,10 @@ def main() -> None:
         print(f"{row['workload']:<12} {row['k']:>2} {row['target_length']:>6.2f} {row['length']:>6.2f} "
               f"{row['output_tok_s']:>8.0f} {row['base_output_tok_s']:>8.0f} {row['x_base']:>6.3f} {tpot:>7}")
     print(f"n-gram lookup, 256 requests x 1,024 tokens: {cost['ngram_lookup_256x1024_s'] * 1e3:.2f} ms")
+    for row in draft_rows:
+        projected = ", ".join(f"length {length}: {x:.3f}x" for length, x in row.get("projected_x_base", {}).items())
+        print(f"draft_model ({args.draft_shape}), {row['workload']}, k=4: draft {row['draft_ms_per_step']:.2f} ms/step, "
+              f"{row['x_base']:.3f}x with its guesses; projected: {projected}")
 
 
 if __name__ == "__main__":

@@ -139,6 +139,7 @@ class ModelConfig:
     runner: str = "generate"  # EngineConfig.runner, resolved: "generate" or "pooling"
     pooler: PoolerConfig | None = None  # how the pooling runner pools (None when generating)
     spec_proposer: Any = None  # the proposer class speculative_config's method names (None: no speculation)
+    spec_draft: "ModelConfig | None" = None  # the checkpoint of a proposer's own model (speculative_config's model)
     weight_prefix: str = ""  # put before every checkpoint tensor's name (a bare base model's: "model.")
     # An encoder (bidirectional attention): pooling only, each prompt computed in one step.
     encoder: bool = False

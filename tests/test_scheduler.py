@@ -151,3 +151,22 @@ def test_a_request_whose_adapter_has_no_slot_waits_while_later_ones_run():
     for request_id in ("x", "x2"):
         scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
     assert scheduler.schedule().request_ids == ["base", "y"]  # the slot is free: adapter 2 runs
+
+
+def test_a_speculating_step_keeps_slots_ahead_for_a_draft_models_guesses():
+    """With a draft model (``num_lookahead_tokens``), a request's blocks hold k tokens past the
+    step's, within its length limit; the prefix cache registers only computed blocks."""
+    from hookllm.spec.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(num_speculative_tokens=4)
+    manager = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64, speculative_config=spec,
+                          num_lookahead_tokens=4)
+    a = _request("a", 8)
+    near_limit = Request("b", list(range(7)), SamplingParams(max_tokens=2), max_num_tokens=9)
+    scheduler.add(a)
+    scheduler.add(near_limit)
+    scheduler.schedule()
+    assert [len(ids) for ids in manager.block_ids(a)] == [3]  # 8 + 4 slots
+    assert [len(ids) for ids in manager.block_ids(near_limit)] == [3]  # 7 + 2: its limit
+    assert a.num_registered_blocks == 2

@@ -83,3 +83,22 @@ def test_ngram_speculation_on_a_repeating_prompt_accepts_and_changes_no_token(sm
     assert [o.outputs[0].token_ids for o in speculating.generate(prompts, params, use_tqdm=False)] == expected
     assert speculating.engine.get_stats().spec_num_accepted_tokens > 0
     speculating.shutdown()
+
+
+def test_the_model_as_its_own_draft_accepts_its_guesses_and_changes_no_token(smollm2):
+    """``draft_model`` over the default model with itself as the draft: its cache follows the
+    target's, so nearly every guess holds (the two run one token and a run of tokens at a time,
+    whose sums may round apart at a near tie) and the tokens are those without speculation."""
+    llm, _ = smollm2
+    model_dir = str(default_model_dir())
+    speculating = LLM(model_dir, dtype="float32", device="cpu",
+                      speculative_config={"method": "draft_model", "model": model_dir, "num_speculative_tokens": 3})
+    prompts = [{"prompt_token_ids": list(llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
+        return_dict=True)["input_ids"])} for question in QUESTIONS[:2]]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in speculating.generate(prompts, params, use_tqdm=False)] == expected
+    stats = speculating.engine.get_stats()
+    assert stats.spec_num_accepted_tokens >= 0.8 * stats.spec_num_draft_tokens > 0
+    speculating.shutdown()

@@ -1,6 +1,7 @@
 """The bundled speculative decoding methods (``speculative_config``'s ``method``): ``ngram``,
-prompt lookup over the request's own prompt and output (:mod:`hookllm.spec.ngram`). Found by
-name: no ``--plugin`` needed."""
+prompt lookup over the request's own prompt and output (:mod:`hookllm.spec.ngram`), and
+``draft_model``, a small model of the same tokenizer (:mod:`hookllm.spec.draft_model`). Found
+by name: no ``--plugin`` needed."""
 
 from hookllm import hookimpl
 from hookllm.spec.proposer import SpecProposers
@@ -8,6 +9,8 @@ from hookllm.spec.proposer import SpecProposers
 
 @hookimpl
 def register_spec_proposers(proposers: SpecProposers) -> None:
+    from hookllm.spec.draft_model import DraftModelProposer
     from hookllm.spec.ngram import NgramProposer
 
     proposers.add("ngram", NgramProposer)
+    proposers.add("draft_model", DraftModelProposer)

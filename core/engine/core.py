@@ -88,7 +88,9 @@ class EngineCore:
                                    pipeline_depth=config.pipeline_parallel_size,
                                    chunked_prefill=not model_config.encoder,
                                    max_loras=config.max_loras if config.enable_lora else 0,
-                                   speculative_config=config.speculative_config)
+                                   speculative_config=config.speculative_config,
+                                   num_lookahead_tokens=(config.speculative_config.num_speculative_tokens
+                                                         if model_config.spec_draft is not None else 0))
         # KV-cache events for prefix-aware routers: the block manager records them, each step publishes.
         events_config = config.kv_events_config
         self.kv_event_publisher: KVEventPublisher | None = None

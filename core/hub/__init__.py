@@ -53,6 +53,10 @@ def resolve_model_path(model: str) -> str:
 
 
 def with_local_paths(config: EngineConfig) -> EngineConfig:
-    """``config`` with its model and tokenizer hub ids resolved to local folders."""
+    """``config`` with its model, tokenizer and draft model hub ids resolved to local folders."""
+    speculative = config.speculative_config
+    if speculative is not None and speculative.model:
+        speculative = dataclasses.replace(speculative, model=resolve_model_path(speculative.model))
     return dataclasses.replace(config, model=resolve_model_path(config.model),
-                               tokenizer=resolve_model_path(config.tokenizer) if config.tokenizer else None)
+                               tokenizer=resolve_model_path(config.tokenizer) if config.tokenizer else None,
+                               speculative_config=speculative)

@@ -283,11 +283,12 @@ class BlockManager:
     # -- allocation ---------------------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_blocks: Sequence[tuple[int, ...]] = ()) -> bool:
+                       cached_blocks: Sequence[tuple[int, ...]] = (), num_lookahead_tokens: int = 0) -> bool:
         """Grow every group's block table of the request to hold its computed tokens, ``cached_blocks``
         (a prefix-cache hit from :meth:`find_cached_prefix`, taken first, whose tokens the caller
-        then counts as computed) and ``num_new_tokens``. In a sliding group, the blocks that fell
-        out of the request's window are freed first, so they count as free here.
+        then counts as computed), ``num_new_tokens`` and ``num_lookahead_tokens`` more (where a
+        draft model writes its guesses' K/V after the step). In a sliding group, the blocks that
+        fell out of the request's window are freed first, so they count as free here.
 
         Returns False when too few blocks are free, changing nothing else.
         """
@@ -299,7 +300,7 @@ class BlockManager:
         end, first = request.num_computed_tokens + num_new_tokens, request.num_computed_tokens // size
         # A block a request writes next is shared only after a fork, which shares every group's
         # block there alike (and the copy-on-write below copies them all): group 0's tells for all.
-        if (num_new_tokens and end <= holding * size and first == (end - 1) // size
+        if (num_new_tokens and end + num_lookahead_tokens <= holding * size and first == (end - 1) // size
                 and self.blocks[self._entries[0, row, first]].ref_count == 1):
             # The usual decode step, for every running request every step: the tokens go into
             # blocks the request alone holds already, so nothing is allocated, copied or rewritten;
@@ -310,7 +311,7 @@ class BlockManager:
         # A request holding no blocks gets its tables only if the allocation succeeds.
         tables = self.block_ids(request) or [[] for _ in self.group_windows]
         computed = request.num_computed_tokens + len(cached_blocks) * size
-        total_blocks = self.blocks_needed(computed + num_new_tokens)
+        total_blocks = self.blocks_needed(computed + num_new_tokens + num_lookahead_tokens)
         held = holding + len(cached_blocks)
         # Blocks this step writes that the request holds: those another request also holds (a
         # fork's partial last block) each need a private copy.

@@ -77,11 +77,14 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_ids: set[int] | frozenset[int] = frozenset(), preemption_mode: str = "recompute",
                  num_host_blocks: int = 0, pipeline_depth: int = 1, chunked_prefill: bool = True,
-                 max_loras: int = 0, speculative_config: SpeculativeConfig | None = None):
+                 max_loras: int = 0, speculative_config: SpeculativeConfig | None = None,
+                 num_lookahead_tokens: int = 0):
         self.block_manager = block_manager
         # Speculative decoding: a running request's drafts (from the step that sampled its last
         # token) are scheduled after that token; ``update_from_spec_output`` keeps what verified.
         self.speculative_config = speculative_config
+        # Slots kept past a speculating step's tokens, where a draft model writes its guesses' K/V.
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_counts = SpecCounts(speculative_config.num_speculative_tokens if speculative_config else 0)
         # LoRA: most adapters the running requests may use at once (the worker's slots; 0: no LoRA).
         self.max_loras = max_loras
@@ -229,7 +232,8 @@ class Scheduler:
                 room = min(budget - num_new, request.max_num_tokens - num_tokens - 1) if speculates else 0
                 drafts = drafts[:max(room, 0)]
                 num_new += len(drafts)
-            while not allocate(request, num_new):
+            lookahead = self._lookahead(request, request.num_computed_tokens + num_new) if speculates else 0
+            while not allocate(request, num_new, (), lookahead):
                 victim = running.pop()  # the newest running request
                 self._preempt(victim, swap_out)
                 preempted.append(victim)
@@ -256,7 +260,8 @@ class Scheduler:
             if self._awaits_token(request) or not self._has_lora_slot(request, active_loras):
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.block_manager.allocate_slots(request, num_new):
+            lookahead = self._lookahead(request, request.num_computed_tokens + num_new) if speculates else 0
+            if not self.block_manager.allocate_slots(request, num_new, (), lookahead):
                 break
             # In each group, its first blocks take back their K/V from the host; the rest are new.
             for host_ids, device_ids in zip(request.host_block_ids, self.block_manager.live_block_ids(request)):
@@ -285,7 +290,9 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
             if not self.chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
                 break  # the whole prompt waits for a step with room for it
-            if not self.block_manager.allocate_slots(request, num_new, hits):
+            end = request.num_computed_tokens + num_cached + num_new
+            lookahead = self._lookahead(request, end) if speculates else 0
+            if not self.block_manager.allocate_slots(request, num_new, hits, lookahead):
                 break
             if looks_up:
                 self.prefix_cache_queries += request.num_tokens
@@ -297,6 +304,11 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return self._commit_step(scheduled, counts, preempted, swap_out, swap_in, spec_token_ids, speculates)
+
+    def _lookahead(self, request: Request, end: int) -> int:
+        """Slots a speculating step keeps past a request's first ``end`` tokens: the draft
+        model's guesses, which never pass the request's length limit."""
+        return max(0, min(self.num_lookahead_tokens, request.max_num_tokens - end))
 
     def _batch_size_limit(self) -> int:
         """Most requests one batch takes: all it may, or under pipeline stages its share of the

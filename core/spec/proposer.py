@@ -12,6 +12,14 @@ Proposers are named components: a plugin registers a class with the ``register_s
 hook, ``speculative_config``'s ``method`` picks it, and each worker makes one with
 ``cls(config, context)``. It runs on the worker's thread, between steps: a proposer that raises
 only loses that step's guesses (logged once), never a request.
+
+A proposer with a model of its own (:class:`ModelProposer`, such as ``draft_model``) is handed
+the model the engine loaded from ``speculative_config``'s ``model``: its attention layers keep
+their K/V in the engine's paged cache beside the target's, in the same blocks (a position's K/V
+lives in the block the target's does), so prefix caching, preemption and rollback need nothing
+of it. It runs over every step's tokens after the target (``follow``), and ``propose`` runs its
+guessing steps at the positions after each request's history (``ProposalBatch.kv``), where the
+scheduler keeps ``num_speculative_tokens`` slots ahead.
 """
 
 from __future__ import annotations
@@ -25,8 +33,11 @@ import torch
 from hookllm.plugins.components import ComponentKind, Components
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from hookllm.plugins.context import EngineContext
     from hookllm.spec.config import SpeculativeConfig
+    from hookllm.spec.draft_kv import DraftKV
     from hookllm.worker.batch import CachedRequestState
 
 
@@ -43,6 +54,8 @@ class ProposalBatch:
     hidden_states: torch.Tensor | None = None
     hidden_rows: np.ndarray | None = None  # [requests] int64: each request's first row in hidden_states
     num_emitted: np.ndarray | None = None  # [requests] int64: tokens each request emitted this step
+    # A ModelProposer's: attention metadata for its own steps at the positions after each history.
+    kv: DraftKV | None = None
 
     def history(self, index: int) -> list[int]:
         """The token ids of request ``index``: its prompt and output so far."""
@@ -63,6 +76,27 @@ class Proposer(Protocol):
     def propose(self, batch: ProposalBatch) -> Proposals:
         """Guess each request's next tokens: up to ``batch.num_speculative_tokens`` ids per
         request (fewer, or none, where it has no good guess)."""
+
+
+class ModelProposer:
+    """Base of proposers that run a model of their own, which the engine loads from
+    ``speculative_config``'s ``model`` (with the ``load_model`` hook, as the target) and hands to
+    ``cls(config, context, model)``. Its ``hookllm.layers.Attention`` layers get cache slots
+    beside the target's layers (the engine's memory budget counts them and its weights)."""
+
+    def __init__(self, config: SpeculativeConfig, context: EngineContext, model: nn.Module) -> None:
+        self.config = config
+        self.context = context
+        self.model = model
+
+    def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor) -> None:
+        """Run over a step's tokens after the target did (every step, speculating or not), in the
+        step's attention metadata: the model's K/V at those positions join the cache.
+        ``hidden_states`` are the target's for the same tokens (an EAGLE head reads them)."""
+        raise NotImplementedError
+
+    def propose(self, batch: ProposalBatch) -> Proposals:
+        raise NotImplementedError
 
 
 class SpecProposers:

@@ -23,9 +23,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+import torch
+
 from hookllm.outputs import LogprobsRow
 from hookllm.spec.config import SpeculativeConfig
-from hookllm.spec.proposer import ProposalBatch, Proposals, Proposer
+from hookllm.spec.proposer import ModelProposer, ProposalBatch, Proposals, Proposer
+from hookllm.worker.forward_context import AttentionMetadata, set_forward_context
 
 if TYPE_CHECKING:
     from hookllm.worker.batch import CachedRequestState
@@ -105,9 +108,29 @@ class SpecDecoder:
         rows = [logprobs[start:start + count] for start, count in zip(starts, counts.tolist())]
         return tokens, rows, counts
 
+    @property
+    def follows_steps(self) -> bool:
+        """Whether the proposer runs over every step's tokens (a model proposer, not failed)."""
+        return isinstance(self.proposer, ModelProposer) and not self.failed
+
+    def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,
+               metadata: AttentionMetadata) -> None:
+        """A model proposer's pass over a step's tokens, after the target's (its K/V there). If
+        it raises, speculation stops (logged): its cache would lack those tokens."""
+        try:
+            with set_forward_context(metadata):
+                self.proposer.follow(input_ids, positions, hidden_states)
+        except Exception:  # noqa: BLE001 - as in propose
+            logger.exception("the speculative decoding proposer %r failed: decoding goes on without drafts",
+                             self.config.method)
+            self.failed = True
+
     def propose(self, batch: ProposalBatch, vocab_size: int) -> list[list[int]]:
         """The proposer's guesses for ``batch``, each cut to ``num_speculative_tokens`` and before
-        any id outside the vocabulary; none (logged) if it raises or answers out of shape."""
+        any id outside the vocabulary; none (logged) if it raises or answers out of shape, and
+        none from a model proposer whose pass over the tokens failed."""
+        if self.failed and isinstance(self.proposer, ModelProposer):
+            return [[] for _ in batch.requests]
         try:
             return _guesses(self.proposer.propose(batch), len(batch.requests), batch.num_speculative_tokens,
                             vocab_size)

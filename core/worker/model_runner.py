@@ -42,6 +42,7 @@ from hookllm.worker.penalties import AdjustedRows, LogitsAdjuster
 from hookllm.worker.pipeline_stage import PipelineStage
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.sched.output import SchedulerOutput
+from hookllm.spec.draft_kv import DraftKV
 from hookllm.spec.proposer import ProposalBatch
 from hookllm.spec.verify import (SpecDecoder, SpecDecodeOutput, num_verified_rows, runs_ending_at, takes_drafts,
                                  verified_row_starts)
@@ -463,6 +464,9 @@ class ModelRunner:
             return None
         batch = self.make_batch(scheduler_output, previous)
         hidden_states, inputs = self.forward(batch, scheduler_output)
+        if self.spec is not None and self.spec.follows_steps:
+            self.spec.follow(inputs.input_ids, inputs.positions, hidden_states,
+                             inputs.attention_metadata(self.attention_backend))
         if self.stage is not None and not self.stage.is_last:
             return None  # the last stage samples
         prompt_logprobs = self._prompt_logprobs(batch, hidden_states, inputs) if self.prompt_logprob_ids else None
@@ -522,7 +526,9 @@ class ModelRunner:
             history, lengths = self.input_batch.token_rows(rows[index])
             guesses = self.spec.propose(ProposalBatch(
                 [requests[i] for i in guessing], history, lengths, self.spec.config.num_speculative_tokens,
-                hidden_states, verified_row_starts(drafts)[index], emitted[index]), vocab_size)
+                hidden_states, verified_row_starts(drafts)[index], emitted[index],
+                DraftKV(self.input_batch, rows[index], self.block_size, self.attention_backend, self.device)),
+                vocab_size)
             for i, guess in zip(guessing, guesses):
                 proposals[i] = guess
         return SpecDecodeOutput(token_ids, logprobs_rows, proposals)

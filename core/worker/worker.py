@@ -33,12 +33,14 @@ from hookllm.worker.pooler import Pooler
 from hookllm.worker.model_runner import ModelRunner, StepOutput
 from hookllm.worker.pipeline_stage import PipelineStage
 from hookllm.plugins.components import ComponentKind
+from hookllm.spec.proposer import ModelProposer
 from hookllm.spec.verify import SpecDecoder
 from hookllm.pooling_params import POOLING_TYPES
 from hookllm.plugins.context import EngineContext
 from hookllm.plugins.contract import capability
 from hookllm.plugins.manager import ActiveHooks, PluginManager
 from hookllm.plugins.quantization import quantized_by, resolve_quantization
+from hookllm.plugins.registry import ModelRegistry
 from hookllm.sched.output import SchedulerOutput
 from hookllm.worker.warmup import warm_up
 
@@ -87,9 +89,35 @@ def resolve_model(config: EngineConfig, plugin_manager: PluginManager) -> tuple[
             raise ValueError("speculative_config: the pooling runner samples no tokens to speculate on")
         model_config.spec_proposer = plugin_manager.component(ComponentKind.SPEC_PROPOSER,
                                                               config.speculative_config.method)
+        if issubclass(model_config.spec_proposer, ModelProposer):
+            model_config.spec_draft = draft_model_config(config, model_config, registry, selected)
     active = selected + ([owner] if owner not in selected else [])
     context = EngineContext(config, model_config, registry)
     return model_config, plugin_manager.active_hooks(active, default_hooks, context)
+
+
+def draft_model_config(config: EngineConfig, target: ModelConfig, registry: ModelRegistry,
+                       selected: list[str]) -> ModelConfig:
+    """The checkpoint of a model proposer (``speculative_config``'s ``model``), checked against
+    the target's: the same vocabulary (token ids mean the same), positions for its length."""
+    speculative = config.speculative_config
+    if not speculative.model:
+        raise ValueError(f"speculative_config: method {speculative.method!r} needs a model (its checkpoint's folder)")
+    if config.tensor_parallel_size > 1 and speculative.draft_tensor_parallel_size == 1:
+        raise ValueError("speculative_config: a draft model is sharded as the target is (tensor_parallel_size "
+                         f"{config.tensor_parallel_size}); leave draft_tensor_parallel_size unset")
+    try:
+        draft = ModelConfig.from_path(speculative.model, target.dtype, target.max_model_len, "generate")
+    except ValueError as error:
+        raise ValueError(f"speculative_config's model {speculative.model}: {error}") from None
+    draft_vocab = text_config_of(draft.hf_config).vocab_size
+    target_vocab = text_config_of(target.hf_config).vocab_size
+    if draft_vocab != target_vocab:
+        raise ValueError(f"speculative_config's model {speculative.model} has a vocabulary of {draft_vocab} tokens, "
+                         f"the target's {target_vocab}: a draft model needs the target's tokenizer")
+    draft.plugin = registry.owner(draft.architecture, selected, config.model_impl)
+    draft.load_format = config.load_format
+    return draft
 
 
 class Worker:
@@ -141,6 +169,10 @@ class Worker:
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         if not self.attention_layers:
             raise ValueError(f"{type(model).__name__} has no hookllm.layers.Attention layer to hold a KV cache")
+        # A model proposer's own model: its layers keep their K/V in the same blocks as the target's.
+        self.draft_model = self._load_draft_model() if model_config.spec_draft is not None else None
+        if self.draft_model is not None:
+            self.attention_layers += [m for m in self.draft_model.modules() if isinstance(m, Attention)]
         # The block tables follow the layers' own windows: a group's freed blocks are blocks its layers never read.
         self.kv_cache_groups = group_layers([layer.sliding_window for layer in self.attention_layers],
                                             [(layer.num_kv_heads, layer.head_dim) for layer in self.attention_layers],
@@ -169,8 +201,10 @@ class Worker:
                                              keeps_token_ids=config.speculative_config is not None), pooler)
         self.runner.lora = self.lora
         if config.speculative_config is not None:
+            drafting = (self.draft_model,) if self.draft_model is not None else ()
             self.runner.spec = SpecDecoder(config.speculative_config,
-                                           model_config.spec_proposer(config.speculative_config, hooks.context))
+                                           model_config.spec_proposer(config.speculative_config, hooks.context,
+                                                                      *drafting))
         if config.pipeline_parallel_size > 1:
             self.runner.stage = PipelineStage(capability(model, "pipeline_intermediate_count"),
                                               text_config_of(model_config.hf_config).hidden_size, self.dtype, self.device)
@@ -192,6 +226,15 @@ class Worker:
         # The engine's start-up summary reports these (hookllm.engine.llm_engine); under tensor
         # parallelism every rank has its own.
         logger.debug("start-up: %s", ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_seconds.items()))
+
+    def _load_draft_model(self) -> nn.Module:
+        """The model proposer's checkpoint, loaded by the ``load_model`` hook as the target is."""
+        context = EngineContext(self.config, self.model_config.spec_draft, self.hooks.context.registry)
+        draft = self.hooks.hook.load_model(device=self.device, dtype=self.dtype, context=context)
+        if not any(isinstance(m, Attention) for m in draft.modules()):
+            raise ValueError(f"speculative_config's model: {type(draft).__name__} has no hookllm.layers.Attention "
+                             "layer to keep its K/V in the engine's cache")
+        return draft
 
     def _phase_timer(self) -> Callable[[str], None]:
         """A function that records the seconds since its last call (or since now) under a name,
@@ -233,7 +276,8 @@ class Worker:
         the device in all (weights + peak activations + KV cache), within what is free now."""
         if self.device.type != "cuda":
             return max(1, self.config.cpu_kv_cache_bytes // self.block_bytes)
-        weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        models = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
+        weight_bytes = sum(t.numel() * t.element_size() for model in models for t in model.state_dict().values())
         activation_bytes = self._profile_activation_bytes()
         if self.uses_cuda_graphs and self.config.max_cuda_graph_tokens:
             # The graphs of steps with prefill keep a memory pool about that large for good;

@@ -1,0 +1,65 @@
+"""Attention metadata for a model proposer's own steps: one token per request at the positions
+after its history, in the request's own blocks.
+
+A proposer with a model (:class:`hookllm.spec.proposer.ModelProposer`) keeps its K/V in the
+target's blocks: position p of a request lives in the block its table holds for p. Guessing k
+tokens writes positions ``L - 1`` to ``L + k - 2`` of a request of ``L`` tokens, past what the
+target computed: the scheduler keeps ``k`` slots ahead of a speculating request's tokens for
+them, and what is written there is scratch the next step writes over.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from hookllm.utils import to_device_async
+from hookllm.worker.forward_context import AttentionMetadata
+from hookllm.worker.input_batch import InputBatch
+
+
+class DraftKV:
+    """The slots of a proposal batch's requests (``rows`` of the persistent batch)."""
+
+    def __init__(self, input_batch: InputBatch, rows: np.ndarray, block_size: int, backend: ModuleType,
+                 device: torch.device):
+        self.input_batch = input_batch
+        self.rows = rows
+        self.block_size = block_size
+        self.backend = backend
+        self.device = device
+
+    def room(self, first: np.ndarray) -> np.ndarray:
+        """How many positions from each request's ``first`` on its blocks hold (0: none, as for
+        a request that reached its length limit)."""
+        return np.maximum(self.input_batch.num_blocks[self.rows] * self.block_size - first, 0)
+
+    def decode_steps(self, index: np.ndarray, first: np.ndarray,
+                     num_steps: int) -> list[tuple[torch.Tensor, AttentionMetadata]]:
+        """For the requests ``index`` (each with room at ``first``), ``num_steps`` steps of one
+        token each: step j's positions (``first + j``, or a request's last position with room
+        where its blocks end sooner: scratch it writes over) and its attention metadata. Built on
+        the host for all steps at once, one copy to the device."""
+        rows = self.rows[index]
+        size, num = self.block_size, len(index)
+        last = first + self.room(first)[index] - 1
+        positions = np.minimum(first[None, :] + np.arange(num_steps)[:, None], last[None, :])  # [steps, n]
+        table = self.input_batch.block_table  # [groups, rows, columns]
+        slots = table[:, rows[None, :], positions // size] * size + positions % size  # [groups, steps, n]
+        query_start = np.arange(num + 1, dtype=np.int64)
+        parts = [positions.ravel(), slots.transpose(1, 0, 2).ravel().astype(np.int64), rows, query_start]
+        flat = to_device_async(torch.from_numpy(np.concatenate(parts)), self.device)
+        positions_t, slots_t, rows_t, query_start_t = flat.split([len(part) for part in parts])
+        positions_t = positions_t.view(num_steps, num)
+        slots_t = slots_t.view(num_steps, table.shape[0], num)
+        width = int(self.input_batch.num_blocks[rows].max())
+        block_tables = self.input_batch.device_block_tables(rows_t, width).unbind()
+        query_start_loc = query_start_t.to(torch.int32)
+        seq_lens = (positions_t + 1).to(torch.int32)
+        max_seq_lens = (positions.max(axis=1) + 1).tolist()
+        return [(positions_t[step], AttentionMetadata(
+            slot_mapping=slots_t[step].unbind(), block_tables=block_tables, seq_lens=seq_lens[step],
+            query_start_loc=query_start_loc, max_query_len=1, max_seq_len=max_seq_lens[step], backend=self.backend))
+            for step in range(num_steps)]

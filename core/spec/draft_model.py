@@ -1,0 +1,42 @@
+"""The ``draft_model`` proposer: a small model of the target's tokenizer guesses greedily.
+
+The draft (``speculative_config``'s ``model``, e.g. Llama-3.2-1B for Llama-3.1-8B) is loaded by
+the engine like the target and keeps its K/V in the target's blocks
+(:class:`hookllm.spec.proposer.ModelProposer`): it runs over every step's tokens after the target,
+so its cache holds what the target's does, and then guesses k tokens per request with k steps
+of one token each from the request's last one. Greedy guesses are exact to verify whatever the
+requests' sampling: verification keeps what the target itself samples.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hookllm.spec.proposer import ModelProposer, ProposalBatch, Proposals
+from hookllm.worker.forward_context import set_forward_context
+
+
+class DraftModelProposer(ModelProposer):
+    def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor) -> None:
+        self.model(input_ids, positions, None)
+
+    def propose(self, batch: ProposalBatch) -> Proposals:
+        k, num = batch.num_speculative_tokens, len(batch.requests)
+        last = batch.num_tokens - 1  # each request's last token: computed by neither model yet
+        counts = np.minimum(batch.kv.room(last), k)
+        guesses = np.full((num, k), -1, dtype=np.int64)
+        guessing = np.flatnonzero(counts)
+        if not len(guessing):
+            return guesses, counts
+        steps = batch.kv.decode_steps(guessing, last[guessing], int(counts[guessing].max()))
+        device = steps[0][0].device
+        tokens = torch.from_numpy(batch.token_ids[guessing, last[guessing]]).to(device, non_blocking=True)
+        drafted = []
+        for positions, metadata in steps:
+            with set_forward_context(metadata):
+                hidden_states = self.model(tokens, positions, None)
+            tokens = self.model.compute_logits(hidden_states).argmax(dim=-1)
+            drafted.append(tokens)
+        guesses[guessing, :len(steps)] = torch.stack(drafted, dim=1).cpu().numpy()
+        return guesses, counts
