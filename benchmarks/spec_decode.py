@@ -19,12 +19,13 @@ Runs, in one process on one GPU:
    length in ``--lengths`` (the proposer gives k guesses), batch 64 at k=4 and the length 3.0,
    workload A (its tail, once few requests run, speculates);
 3. the proposers' own cost per step: the n-gram lookup for 256 requests of 1,024 tokens each;
-4. ``draft_model`` with a random draft of ``--draft-shape`` (its guesses are all wrong: random
-   weights disagree): batch 1 and batch 64 at k=4, the draft's time per step (its pass over the
-   step's tokens and its k guessing steps, timed apart) and the output rate then; with the
-   replay runs' step time at the same k, the rate a draft of that cost gives at each measured
-   acceptance length (``projected``: the tokens of a step over the replay's step time plus the
-   draft's; at batch 1 the time per output token is its inverse).
+4. ``draft_model`` with a random draft of ``--draft-shape`` and ``eagle3`` with a random
+   EAGLE-3 head of the target's shape (saved in the published format; draft vocabulary 32,000):
+   random weights guess wrong, so each gives batch 1 and batch 64 at k=4, the proposer's time
+   per step (its pass over the step's tokens and its k guessing steps, timed apart) and the
+   output rate then; with the replay runs' step time at the same k, the rate a proposer of that
+   cost gives at each measured acceptance length (``projected``: the tokens of a step over the
+   replay's step time plus the proposer's; at batch 1 the time per output token is its inverse).
 
     python benchmarks/spec_decode.py --shape llama-3.1-8b --draft-shape llama-3.2-1b
 
@@ -172,9 +173,51 @@ class DraftTimer:
         return mean
 
 
-def measure_draft_model(path: Path, draft: Path, args, workloads: dict, base: dict, rows: list[dict]) -> list[dict]:
-    """Section 4: the draft model's cost at batch 1 and ``--batch``, and the projection."""
-    engine = make_engine(path, args, {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4})
+def random_eagle3_head(target: Path, draft_vocab: int = 32000) -> Path:
+    """A random EAGLE-3 head for the checkpoint ``target``, saved once beside it in the published
+    format (``midlayer.*``, ``fc``, ``lm_head`` over ``draft_vocab`` ids, ``d2t``)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    path = target.parent / f"{target.name}-eagle3-head"
+    if (path / "model.safetensors").exists():
+        return path
+    config = json.loads((target / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = {"midlayer.self_attn.q_proj.weight": (q, 2 * hidden), "midlayer.self_attn.k_proj.weight": (kv, 2 * hidden),
+              "midlayer.self_attn.v_proj.weight": (kv, 2 * hidden), "midlayer.self_attn.o_proj.weight": (hidden, q),
+              "midlayer.mlp.gate_proj.weight": (inter, hidden), "midlayer.mlp.up_proj.weight": (inter, hidden),
+              "midlayer.mlp.down_proj.weight": (hidden, inter), "fc.weight": (hidden, 3 * hidden),
+              "lm_head.weight": (draft_vocab, hidden)}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device).manual_seed(0)
+    tensors = {name: (torch.randn(shape, generator=generator, device=device) * 0.02).to(torch.bfloat16).cpu()
+               for name, shape in shapes.items()}
+    for norm in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
+        tensors[f"{norm}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    tensors["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    head_config = {key: config[key] for key in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                "num_key_value_heads", "vocab_size", "max_position_embeddings",
+                                                "rms_norm_eps", "rope_theta") if key in config}
+    head_config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+                       head_dim=head_dim, draft_vocab_size=draft_vocab, tie_word_embeddings=False)
+    layers = config["num_hidden_layers"]
+    if layers < 6:  # too few for the default layers (2, n / 2, n - 3): --tiny's
+        head_config["eagle_aux_hidden_state_layer_ids"] = [0, layers // 2, layers - 1]
+    (path / "config.json").write_text(json.dumps(head_config))
+    return path
+
+
+def measure_proposer(path: Path, speculative_config: dict, args, workloads: dict, base: dict,
+                     rows: list[dict]) -> list[dict]:
+    """Section 4: a model proposer's cost at batch 1 and ``--batch``, and the projection."""
+    engine = make_engine(path, args, {**speculative_config, "num_speculative_tokens": 4})
     timer = DraftTimer(engine.engine_core.executor.runner.spec.proposer)
     run(engine, workloads["batch 1"][0], [8])
     timer.take()
@@ -184,7 +227,8 @@ def measure_draft_model(path: Path, draft: Path, args, workloads: dict, base: di
         before = engine.get_stats()
         seconds, _ = run(engine, prompts, max_tokens)
         tokens = sum(max_tokens)
-        row = {"workload": name, "k": 4, "length": acceptance_length(engine, before),
+        row = {"method": speculative_config["method"], "workload": name, "k": 4,
+               "length": acceptance_length(engine, before),
                "draft_ms_per_step": timer.take() * 1e3, "output_tok_s": tokens / seconds,
                "base_output_tok_s": tokens / base[name], "x_base": base[name] / seconds}
         for replay in rows:
@@ -212,7 +256,7 @@ def main() -> None:
     parser.add_argument("--disable-by-batch-size", type=int, default=16)
     parser.add_argument("--num-requests", type=int, default=None, help="workload A's requests (default 256)")
     parser.add_argument("--draft-shape", default="llama-3.2-1b",
-                        help="the draft model's shape (section 4; with --tiny the tiny model itself); none: skip")
+                        help="the draft model's shape (section 4; with --tiny the tiny model itself); none: skip it")
     add_out_argument(parser)
     args = parser.parse_args()
     resolve_engine_arguments(args)
@@ -275,7 +319,11 @@ def main() -> None:
     if args.draft_shape != "none":
         draft = path if args.tiny else random_checkpoint(args.draft_shape, Path(args.root))
         args.draft_shape = "tiny (the target itself)" if args.tiny else args.draft_shape
-        draft_rows = measure_draft_model(path, draft, args, workloads, base, rows)
+        draft_rows += measure_proposer(path, {"method": "draft_model", "model": str(draft)}, args, workloads, base,
+                                       rows)
+        cleanup_dist_env_and_memory()
+    head = random_eagle3_head(path, draft_vocab=100 if args.tiny else 32000)
+    draft_rows += measure_proposer(path, {"method": "eagle3", "model": str(head)}, args, workloads, base, rows)
 
     cost = {"ngram_lookup_256x1024_s": ngram_cost()}
     payload = {"benchmark": "spec_decode", "shape": shape, "device": device_name(), "commit": commit(), "date": now(),
@@ -291,7 +339,8 @@ def main() -> None:
     print(f"n-gram lookup, 256 requests x 1,024 tokens: {cost['ngram_lookup_256x1024_s'] * 1e3:.2f} ms")
     for row in draft_rows:
         projected = ", ".join(f"length {length}: {x:.3f}x" for length, x in row.get("projected_x_base", {}).items())
-        print(f"draft_model ({args.draft_shape}), {row['workload']}, k=4: draft {row['draft_ms_per_step']:.2f} ms/step, "
+        name = f"draft_model ({args.draft_shape})" if row["method"] == "draft_model" else "eagle3 (random head)"
+        print(f"{name}, {row['workload']}, k=4: proposer {row['draft_ms_per_step']:.2f} ms/step, "
               f"{row['x_base']:.3f}x with its guesses; projected: {projected}")
 
 

@@ -63,6 +63,9 @@ class ModelProtocol(Protocol):
     uses_token_types: ClassVar[bool] = False
     """It reads token types (a BERT-style encoder's segments) from the forward context's
     ``token_type_ids``, which the runner sets when a step holds a text pair that has them."""
+    is_speculative_head: ClassVar[bool] = False
+    """A speculative decoding head (an EAGLE-3 head), loaded only as ``speculative_config``'s
+    ``model`` beside its target: serving it alone is refused."""
 
     @classmethod
     def __subclasshook__(cls, other: type) -> bool:
@@ -76,7 +79,7 @@ class ModelProtocol(Protocol):
 _METHODS = ("forward", "embed_tokens", "compute_logits", "load_weights")
 Capability = Literal["supports_tensor_parallel", "supports_expert_parallel", "supports_quantization",
                      "supports_torch_compile", "supports_pipeline_parallel", "pipeline_intermediate_count",
-                     "uses_token_types"]
+                     "uses_token_types", "is_speculative_head"]
 
 
 def capability(model: Any, flag: Capability) -> Any:
@@ -104,6 +107,19 @@ class SupportsLoRA(Protocol):
     def lora_projections(self) -> list[LoRAProjection]:
         """Each projection to wrap: where it is (parent module and attribute), and which PEFT
         module names its output columns are, in order."""
+
+
+@runtime_checkable
+class SupportsAuxHiddenStates(Protocol):
+    """A :class:`ModelProtocol` model that can keep the residual stream entering chosen layers,
+    for an EAGLE-3 head (``speculative_config`` ``method`` ``eagle3``), which reads three of them.
+    Only the native decoders (``hookllm.adapters.llama`` and the families built on it) opt in."""
+
+    def keep_aux_hidden_states(self, layers: Sequence[int], max_tokens: int) -> torch.Tensor:
+        """From now on, each forward writes the residual stream entering each of ``layers`` (the
+        embeddings for layer 0) into the returned buffer ``[max_tokens, len(layers) * hidden]``,
+        its first rows the step's tokens, in the order given: a write inside the forward, so
+        CUDA graphs capture it."""
 
 
 @runtime_checkable

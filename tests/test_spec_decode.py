@@ -410,7 +410,7 @@ def test_bad_speculative_configs_are_refused_naming_the_problem(tiny_llama_dir, 
 
 def test_an_unknown_method_lists_the_installed_ones(tiny_llama_dir):
     with pytest.raises(ValueError, match="speculative decoding method named 'medusa'; "
-                                         "the speculative decoding methods: draft_model, ngram, oracle"):
+                                         "the speculative decoding methods: draft_model, eagle3, ngram, oracle"):
         make_engine(tiny_llama_dir, {"method": "medusa", "num_speculative_tokens": 2})
 
 

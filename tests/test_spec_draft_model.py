@@ -174,15 +174,15 @@ def test_the_draft_config_serializes_as_vllm_writes_it(tiny_llama_dir):
 class FailingDraft(DraftModelProposer):
     """A draft model whose pass over the steps' tokens fails from its third step on."""
 
-    def __init__(self, config, context, model):
-        super().__init__(config, context, model)
+    def __init__(self, config, context, model, target):
+        super().__init__(config, context, model, target)
         self.steps = 0
 
-    def follow(self, input_ids, positions, hidden_states):
+    def follow(self, step):
         self.steps += 1
         if self.steps > 2:
             raise RuntimeError("the draft fell over")
-        super().follow(input_ids, positions, hidden_states)
+        super().follow(step)
 
 
 def test_a_failing_draft_model_stops_only_speculation(tiny_llama_dir, expected_greedy, caplog):

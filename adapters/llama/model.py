@@ -14,7 +14,7 @@ loads only its layers (:class:`hookllm.layers.StageMissing` stands in for the re
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -92,13 +92,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+        aux_out: Sequence[torch.Tensor] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``aux_out``: views the residual stream entering the layer is written into (the sum the
+        input norm makes anyway, reduced over tensor-parallel ranks)."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        for out in aux_out:
+            out.copy_(residual)
         hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
@@ -130,6 +135,23 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else StageMissing()
         if custom_all_reduce_enabled():
             defer_reductions_to_norms(self)
+        # keep_aux_hidden_states: the buffer (persistent: the engine's memory budget counts it with
+        # the weights), and which of its column ranges each layer's input fills.
+        self.register_buffer("aux_hidden_states", None)
+        self.aux_columns: dict[int, list[slice]] = {}
+
+    def keep_aux_hidden_states(self, layers: Sequence[int], max_tokens: int) -> torch.Tensor:
+        # Any of this stage's layers tells the width, dtype and device of the residual stream.
+        weight = self.layers[self.start_layer].input_layernorm.weight
+        hidden = weight.shape[0]
+        self.aux_columns = {}
+        for column, layer in enumerate(layers):
+            if not self.start_layer <= layer < self.end_layer:
+                raise ValueError(f"aux hidden states: layer {layer} is not among this model's layers "
+                                 f"{self.start_layer} .. {self.end_layer - 1}")
+            self.aux_columns.setdefault(layer, []).append(slice(column * hidden, (column + 1) * hidden))
+        self.aux_hidden_states = torch.zeros(max_tokens, len(layers) * hidden, dtype=weight.dtype, device=weight.device)
+        return self.aux_hidden_states
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None,
@@ -142,8 +164,10 @@ class DecoderModel(nn.Module):
             residual = None
         else:
             hidden_states, residual = intermediate_tensors.unbind(0)
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+        aux, columns = self.aux_hidden_states, self.aux_columns
+        for index in range(self.start_layer, self.end_layer):
+            aux_out = [aux[:positions.shape[0], c] for c in columns[index]] if index in columns else ()
+            hidden_states, residual = self.layers[index](positions, hidden_states, residual, aux_out)
         if not self.is_last_stage:
             return torch.stack((hidden_states, residual))
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -212,6 +236,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits on every rank (the head all-gathers its vocabulary shards)."""
         return self.lm_head(hidden_states)
+
+    def keep_aux_hidden_states(self, layers: Sequence[int], max_tokens: int) -> torch.Tensor:
+        """:class:`hookllm.plugins.contract.SupportsAuxHiddenStates` (an EAGLE-3 head's inputs)."""
+        return self.model.keep_aux_hidden_states(layers, max_tokens)
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
         """Whole tensors or lazy safetensors slices; each parallel layer copies its rank's shard."""

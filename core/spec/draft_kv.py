@@ -1,5 +1,6 @@
-"""Attention metadata for a model proposer's own steps: one token per request at the positions
-after its history, in the request's own blocks.
+"""Attention metadata for a model proposer's own passes, in the requests' own blocks: one token
+per request at the positions after its history (its guessing steps), or runs of positions of
+its choosing (an EAGLE head's pass over a step's tokens, one position behind the target's).
 
 A proposer with a model (:class:`hookllm.spec.proposer.ModelProposer`) keeps its K/V in the
 target's blocks: position p of a request lives in the block its table holds for p. Guessing k
@@ -21,7 +22,8 @@ from hookllm.worker.input_batch import InputBatch
 
 
 class DraftKV:
-    """The slots of a proposal batch's requests (``rows`` of the persistent batch)."""
+    """The slots of some requests (``rows`` of the persistent batch: a step's or a proposal
+    batch's)."""
 
     def __init__(self, input_batch: InputBatch, rows: np.ndarray, block_size: int, backend: ModuleType,
                  device: torch.device):
@@ -63,3 +65,26 @@ class DraftKV:
             slot_mapping=slots_t[step].unbind(), block_tables=block_tables, seq_lens=seq_lens[step],
             query_start_loc=query_start_loc, max_query_len=1, max_seq_len=max_seq_lens[step], backend=self.backend))
             for step in range(num_steps)]
+
+    def runs(self, index: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> tuple[torch.Tensor, AttentionMetadata]:
+        """One pass over ``counts[i]`` consecutive positions from ``starts[i]`` of each request
+        ``index[i]`` (all within its blocks; a count may be 0): the flat positions and the
+        metadata, causal within each run and over the request's positions before it."""
+        rows = self.rows[index]
+        size = self.block_size
+        query_start = np.zeros(len(index) + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start[1:])
+        total = int(query_start[-1])
+        positions = np.arange(total, dtype=np.int64) - np.repeat(query_start[:-1] - starts, counts)
+        table = self.input_batch.block_table
+        slots = table[:, np.repeat(rows, counts), positions // size] * size + positions % size  # [groups, total]
+        seq_lens = starts + counts
+        parts = [positions, slots.ravel().astype(np.int64), rows, query_start, seq_lens]
+        flat = to_device_async(torch.from_numpy(np.concatenate(parts)), self.device)
+        positions_t, slots_t, rows_t, query_start_t, seq_lens_t = flat.split([len(part) for part in parts])
+        width = int(self.input_batch.num_blocks[rows].max(initial=1))
+        return positions_t, AttentionMetadata(
+            slot_mapping=slots_t.view(table.shape[0], total).unbind(),
+            block_tables=self.input_batch.device_block_tables(rows_t, width).unbind(),
+            seq_lens=seq_lens_t.to(torch.int32), query_start_loc=query_start_t.to(torch.int32),
+            max_query_len=int(counts.max(initial=0)), max_seq_len=int(seq_lens.max(initial=0)), backend=self.backend)

@@ -13,13 +13,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hookllm.spec.proposer import ModelProposer, ProposalBatch, Proposals
+from hookllm.spec.proposer import ModelProposer, ProposalBatch, Proposals, StepTokens
 from hookllm.worker.forward_context import set_forward_context
 
 
 class DraftModelProposer(ModelProposer):
-    def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor) -> None:
-        self.model(input_ids, positions, None)
+    def follow(self, step: StepTokens) -> None:
+        with set_forward_context(step.metadata):
+            self.model(step.input_ids, step.positions, None)
 
     def propose(self, batch: ProposalBatch) -> Proposals:
         k, num = batch.num_speculative_tokens, len(batch.requests)

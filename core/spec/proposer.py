@@ -13,7 +13,7 @@ hook, ``speculative_config``'s ``method`` picks it, and each worker makes one wi
 ``cls(config, context)``. It runs on the worker's thread, between steps: a proposer that raises
 only loses that step's guesses (logged once), never a request.
 
-A proposer with a model of its own (:class:`ModelProposer`, such as ``draft_model``) is handed
+A proposer with a model of its own (:class:`ModelProposer`: ``draft_model``, ``eagle3``) is handed
 the model the engine loaded from ``speculative_config``'s ``model``: its attention layers keep
 their K/V in the engine's paged cache beside the target's, in the same blocks (a position's K/V
 lives in the block the target's does), so prefix caching, preemption and rollback need nothing
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from hookllm.spec.config import SpeculativeConfig
     from hookllm.spec.draft_kv import DraftKV
     from hookllm.worker.batch import CachedRequestState
+    from hookllm.worker.forward_context import AttentionMetadata
 
 
 @dataclass
@@ -56,10 +57,25 @@ class ProposalBatch:
     num_emitted: np.ndarray | None = None  # [requests] int64: tokens each request emitted this step
     # A ModelProposer's: attention metadata for its own steps at the positions after each history.
     kv: DraftKV | None = None
+    token_index: np.ndarray | None = None  # [requests] int64: each one's first verified row among the step's tokens
 
     def history(self, index: int) -> list[int]:
         """The token ids of request ``index``: its prompt and output so far."""
         return self.token_ids[index, :self.num_tokens[index]].tolist()
+
+
+@dataclass
+class StepTokens:
+    """A step's tokens as a model proposer's ``follow`` reads them, after the target's forward."""
+
+    request_ids: Sequence[str]  # each sequence's request, in the step's order
+    input_ids: torch.Tensor  # [tokens] on the device, sequences one after another
+    positions: torch.Tensor  # [tokens]
+    hidden_states: torch.Tensor  # [tokens, hidden]: the target's (after its final norm)
+    query_start: np.ndarray  # [sequences + 1] host int64: sequence s is tokens query_start[s]:query_start[s + 1]
+    num_computed: np.ndarray  # [sequences] host int64: each sequence's first position in the step
+    metadata: AttentionMetadata  # the step's own
+    kv: DraftKV  # metadata of other runs of these sequences' positions (``kv.rows``: their rows)
 
 
 # What a proposer returns: per request a list of guessed ids, or a [requests, k] int array padded
@@ -81,18 +97,23 @@ class Proposer(Protocol):
 class ModelProposer:
     """Base of proposers that run a model of their own, which the engine loads from
     ``speculative_config``'s ``model`` (with the ``load_model`` hook, as the target) and hands to
-    ``cls(config, context, model)``. Its ``hookllm.layers.Attention`` layers get cache slots
-    beside the target's layers (the engine's memory budget counts them and its weights)."""
+    ``cls(config, context, model, target)`` before it measures memory or captures graphs. Its
+    ``hookllm.layers.Attention`` layers get cache slots beside the target's layers (the engine's
+    memory budget counts them and its weights)."""
 
-    def __init__(self, config: SpeculativeConfig, context: EngineContext, model: nn.Module) -> None:
+    # True for a head over the target's features (EAGLE): it serves the target's positions,
+    # whatever its own config's max_position_embeddings.
+    head_of_target: bool = False
+
+    def __init__(self, config: SpeculativeConfig, context: EngineContext, model: nn.Module, target: nn.Module) -> None:
         self.config = config
         self.context = context
         self.model = model
+        self.target = target  # the engine's model, loaded
 
-    def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor) -> None:
-        """Run over a step's tokens after the target did (every step, speculating or not), in the
-        step's attention metadata: the model's K/V at those positions join the cache.
-        ``hidden_states`` are the target's for the same tokens (an EAGLE head reads them)."""
+    def follow(self, step: StepTokens) -> None:
+        """Run over a step's tokens after the target did (every step, speculating or not): the
+        model's K/V at those positions join the cache (``step.metadata`` is the step's own)."""
         raise NotImplementedError
 
     def propose(self, batch: ProposalBatch) -> Proposals:

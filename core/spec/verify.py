@@ -23,12 +23,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-import torch
 
 from hookllm.outputs import LogprobsRow
 from hookllm.spec.config import SpeculativeConfig
-from hookllm.spec.proposer import ModelProposer, ProposalBatch, Proposals, Proposer
-from hookllm.worker.forward_context import AttentionMetadata, set_forward_context
+from hookllm.spec.proposer import ModelProposer, ProposalBatch, Proposals, Proposer, StepTokens
 
 if TYPE_CHECKING:
     from hookllm.worker.batch import CachedRequestState
@@ -113,13 +111,11 @@ class SpecDecoder:
         """Whether the proposer runs over every step's tokens (a model proposer, not failed)."""
         return isinstance(self.proposer, ModelProposer) and not self.failed
 
-    def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,
-               metadata: AttentionMetadata) -> None:
+    def follow(self, step: StepTokens) -> None:
         """A model proposer's pass over a step's tokens, after the target's (its K/V there). If
         it raises, speculation stops (logged): its cache would lack those tokens."""
         try:
-            with set_forward_context(metadata):
-                self.proposer.follow(input_ids, positions, hidden_states)
+            self.proposer.follow(step)
         except Exception:  # noqa: BLE001 - as in propose
             logger.exception("the speculative decoding proposer %r failed: decoding goes on without drafts",
                              self.config.method)

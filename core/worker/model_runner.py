@@ -43,7 +43,7 @@ from hookllm.worker.pipeline_stage import PipelineStage
 from hookllm.plugins.manager import ActiveHooks
 from hookllm.sched.output import SchedulerOutput
 from hookllm.spec.draft_kv import DraftKV
-from hookllm.spec.proposer import ProposalBatch
+from hookllm.spec.proposer import ProposalBatch, StepTokens
 from hookllm.spec.verify import (SpecDecoder, SpecDecodeOutput, num_verified_rows, runs_ending_at, takes_drafts,
                                  verified_row_starts)
 from hookllm.utils import to_device_async
@@ -465,8 +465,11 @@ class ModelRunner:
         batch = self.make_batch(scheduler_output, previous)
         hidden_states, inputs = self.forward(batch, scheduler_output)
         if self.spec is not None and self.spec.follows_steps:
-            self.spec.follow(inputs.input_ids, inputs.positions, hidden_states,
-                             inputs.attention_metadata(self.attention_backend))
+            self.spec.follow(StepTokens(
+                scheduler_output.request_ids, inputs.input_ids, inputs.positions, hidden_states,
+                np.asarray(inputs.query_start, dtype=np.int64),
+                np.asarray(scheduler_output.num_computed_tokens, dtype=np.int64),
+                inputs.attention_metadata(self.attention_backend), self._draft_kv(batch.rows)))
         if self.stage is not None and not self.stage.is_last:
             return None  # the last stage samples
         prompt_logprobs = self._prompt_logprobs(batch, hidden_states, inputs) if self.prompt_logprob_ids else None
@@ -502,11 +505,15 @@ class ModelRunner:
         _run_jobs(jobs)
         step = StepOutput(request_ids, self._sample(logits, batch, adjusted, jobs), prompt_logprobs, pooled=pooled)
         if scheduler_output.speculates:
-            step.spec = self._verify_and_propose(batch, scheduler_output, step, hidden_states, logits.shape[1])
+            step.spec = self._verify_and_propose(batch, scheduler_output, step, hidden_states, inputs.query_start,
+                                                 logits.shape[1])
         return step
 
+    def _draft_kv(self, rows: np.ndarray) -> DraftKV:
+        return DraftKV(self.input_batch, rows, self.block_size, self.attention_backend, self.device)
+
     def _verify_and_propose(self, batch: Batch, scheduler_output: SchedulerOutput, step: StepOutput,
-                            hidden_states: torch.Tensor, vocab_size: int) -> SpecDecodeOutput:
+                            hidden_states: torch.Tensor, query_start: list[int], vocab_size: int) -> SpecDecodeOutput:
         """A speculating step's outcome: what each sampling request emits (its drafts up to the
         first its rows did not sample, then that row's token: :mod:`hookllm.spec.verify`), and
         the proposer's guesses after those tokens. Reads the step's tokens (waits for the device)."""
@@ -524,11 +531,13 @@ class ModelRunner:
         if guessing:
             index = np.asarray(guessing, dtype=np.int64)
             history, lengths = self.input_batch.token_rows(rows[index])
+            # Each request's first verified row among the step's tokens: its last token's, before its drafts.
+            last_tokens = np.asarray(query_start, dtype=np.int64)[sampling_rows + 1] - 1
+            token_index = last_tokens - num_verified_rows(drafts) + 1
             guesses = self.spec.propose(ProposalBatch(
                 [requests[i] for i in guessing], history, lengths, self.spec.config.num_speculative_tokens,
-                hidden_states, verified_row_starts(drafts)[index], emitted[index],
-                DraftKV(self.input_batch, rows[index], self.block_size, self.attention_backend, self.device)),
-                vocab_size)
+                hidden_states, verified_row_starts(drafts)[index], emitted[index], self._draft_kv(rows[index]),
+                token_index[index]), vocab_size)
             for i, guess in zip(guessing, guesses):
                 proposals[i] = guess
         return SpecDecodeOutput(token_ids, logprobs_rows, proposals)

@@ -33,7 +33,7 @@ from hookllm.worker.pooler import Pooler
 from hookllm.worker.model_runner import ModelRunner, StepOutput
 from hookllm.worker.pipeline_stage import PipelineStage
 from hookllm.plugins.components import ComponentKind
-from hookllm.spec.proposer import ModelProposer
+from hookllm.spec.proposer import ModelProposer, Proposer
 from hookllm.spec.verify import SpecDecoder
 from hookllm.pooling_params import POOLING_TYPES
 from hookllm.plugins.context import EngineContext
@@ -72,6 +72,9 @@ def resolve_model(config: EngineConfig, plugin_manager: PluginManager) -> tuple[
             model_config.pooler.custom = plugin_manager.component(ComponentKind.POOLER, config.pooler)
     model_config.load_format = config.load_format
     model_cls = registry.resolve(model_config.architecture, owner)
+    if capability(model_cls, "is_speculative_head"):
+        raise ValueError(f"{config.model} is a speculative decoding head ({model_config.architecture}), not a model to "
+                         "serve: serve its target with speculative_config {\"method\": \"eagle3\", \"model\": ...}")
     num_gpus = torch.cuda.device_count() if device.type == "cuda" else None
     if config.tensor_parallel_size > 1:
         check_tensor_parallel(model_cls, model_config.hf_config, config.tensor_parallel_size, num_gpus)
@@ -90,14 +93,15 @@ def resolve_model(config: EngineConfig, plugin_manager: PluginManager) -> tuple[
         model_config.spec_proposer = plugin_manager.component(ComponentKind.SPEC_PROPOSER,
                                                               config.speculative_config.method)
         if issubclass(model_config.spec_proposer, ModelProposer):
-            model_config.spec_draft = draft_model_config(config, model_config, registry, selected)
+            model_config.spec_draft = draft_model_config(config, model_config, registry, selected,
+                                                         model_config.spec_proposer)
     active = selected + ([owner] if owner not in selected else [])
     context = EngineContext(config, model_config, registry)
     return model_config, plugin_manager.active_hooks(active, default_hooks, context)
 
 
-def draft_model_config(config: EngineConfig, target: ModelConfig, registry: ModelRegistry,
-                       selected: list[str]) -> ModelConfig:
+def draft_model_config(config: EngineConfig, target: ModelConfig, registry: ModelRegistry, selected: list[str],
+                       proposer: type[ModelProposer]) -> ModelConfig:
     """The checkpoint of a model proposer (``speculative_config``'s ``model``), checked against
     the target's: the same vocabulary (token ids mean the same), positions for its length."""
     speculative = config.speculative_config
@@ -106,16 +110,22 @@ def draft_model_config(config: EngineConfig, target: ModelConfig, registry: Mode
     if config.tensor_parallel_size > 1 and speculative.draft_tensor_parallel_size == 1:
         raise ValueError("speculative_config: a draft model is sharded as the target is (tensor_parallel_size "
                          f"{config.tensor_parallel_size}); leave draft_tensor_parallel_size unset")
+    head = proposer.head_of_target
     try:
-        draft = ModelConfig.from_path(speculative.model, target.dtype, target.max_model_len, "generate")
+        draft = ModelConfig.from_path(speculative.model, target.dtype, None if head else target.max_model_len,
+                                      "generate")
     except ValueError as error:
         raise ValueError(f"speculative_config's model {speculative.model}: {error}") from None
+    if head:  # it takes the target's positions (its rotary table must reach them)
+        text = text_config_of(draft.hf_config)
+        text.max_position_embeddings = max(getattr(text, "max_position_embeddings", 0) or 0, target.max_model_len)
+        draft.max_model_len = target.max_model_len
     draft_vocab = text_config_of(draft.hf_config).vocab_size
     target_vocab = text_config_of(target.hf_config).vocab_size
     if draft_vocab != target_vocab:
         raise ValueError(f"speculative_config's model {speculative.model} has a vocabulary of {draft_vocab} tokens, "
                          f"the target's {target_vocab}: a draft model needs the target's tokenizer")
-    draft.plugin = registry.owner(draft.architecture, selected, config.model_impl)
+    draft.plugin = registry.owner(draft.architecture, selected)  # model_impl picks the target's
     draft.load_format = config.load_format
     return draft
 
@@ -173,6 +183,8 @@ class Worker:
         self.draft_model = self._load_draft_model() if model_config.spec_draft is not None else None
         if self.draft_model is not None:
             self.attention_layers += [m for m in self.draft_model.modules() if isinstance(m, Attention)]
+        # Made before memory is measured and graphs captured: a model proposer may ask the target for more.
+        proposer = self._make_proposer() if config.speculative_config is not None else None
         # The block tables follow the layers' own windows: a group's freed blocks are blocks its layers never read.
         self.kv_cache_groups = group_layers([layer.sliding_window for layer in self.attention_layers],
                                             [(layer.num_kv_heads, layer.head_dim) for layer in self.attention_layers],
@@ -200,11 +212,8 @@ class Worker:
                                              -(-model_config.max_model_len // config.block_size),
                                              keeps_token_ids=config.speculative_config is not None), pooler)
         self.runner.lora = self.lora
-        if config.speculative_config is not None:
-            drafting = (self.draft_model,) if self.draft_model is not None else ()
-            self.runner.spec = SpecDecoder(config.speculative_config,
-                                           model_config.spec_proposer(config.speculative_config, hooks.context,
-                                                                      *drafting))
+        if proposer is not None:
+            self.runner.spec = SpecDecoder(config.speculative_config, proposer)
         if config.pipeline_parallel_size > 1:
             self.runner.stage = PipelineStage(capability(model, "pipeline_intermediate_count"),
                                               text_config_of(model_config.hf_config).hidden_size, self.dtype, self.device)
@@ -226,6 +235,14 @@ class Worker:
         # The engine's start-up summary reports these (hookllm.engine.llm_engine); under tensor
         # parallelism every rank has its own.
         logger.debug("start-up: %s", ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_seconds.items()))
+
+    def _make_proposer(self) -> Proposer:
+        """``speculative_config``'s proposer: ``cls(config, context)``, a model proposer's with its
+        model and the target's (:class:`hookllm.spec.proposer.ModelProposer`)."""
+        cls, speculative, context = self.model_config.spec_proposer, self.config.speculative_config, self.hooks.context
+        if self.draft_model is None:
+            return cls(speculative, context)
+        return cls(speculative, context, self.draft_model, self.model)
 
     def _load_draft_model(self) -> nn.Module:
         """The model proposer's checkpoint, loaded by the ``load_model`` hook as the target is."""

@@ -49,3 +49,24 @@ def test_the_target_as_its_own_draft_model_under_cuda_graphs(small_llama):
     assert outputs == expected
     drafted, accepted = spec_counts(engine)
     assert accepted >= 0.9 * drafted > 0
+
+
+def test_eagle3_guesses_under_cuda_graphs_equal_its_eager_guesses(small_llama, tmp_path):
+    """The target's streams are written inside its CUDA graphs: the head guesses as in an
+    eager engine, and tokens are exact."""
+    from test_spec_eagle3 import RecordingEagle3, build_eagle3_head, recording_engine
+
+    head = build_eagle3_head(small_llama, tmp_path / "head", draft_vocab=200, aux_layers=[0, 2, 3])
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0)
+    engine = make_engine(small_llama, None, **OPTIONS)
+    expected, _ = generate(engine, PROMPTS, params)
+    engine.shutdown()
+    records = {}
+    for eager in (True, False):
+        RecordingEagle3.records, RecordingEagle3.answers = [], {}
+        engine = recording_engine(small_llama, head, 4, **OPTIONS, enforce_eager=eager)
+        outputs, _ = generate(engine, PROMPTS, params)
+        engine.shutdown()
+        assert outputs == expected
+        records[eager] = sorted(RecordingEagle3.records)
+    assert records[True] == records[False]
