@@ -311,17 +311,62 @@ def test_logprobs_are_those_of_the_emitted_tokens(tiny_llama_dir, expected_greed
     assert spec_counts(engine)[1] > 0
 
 
-def test_requests_with_penalties_decode_without_drafts(tiny_llama_dir, oracle):
-    """Penalties read every earlier token: such a request is verified one token a step."""
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3)
+def test_penalties_bias_and_bad_words_count_the_drafts_before_each_row(tiny_llama_dir, expected_greedy, oracle):
+    """A drafted row's penalties count its request's output and the drafts before it, as the
+    step that would have sampled that position alone; logit bias, allowed tokens and a banned
+    bigram apply to every row. With the right answers as guesses every guess holds."""
+    banned = expected_greedy[3][3:5]
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True, frequency_penalty=0.8,
+                             presence_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias={7: 3.0},
+                             allowed_token_ids=list(range(0, 320, 3))),
+              SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, bad_words_token_ids=[banned])]
     engine = make_engine(tiny_llama_dir, None)
-    expected, _ = generate(engine, PROMPTS[:2], params)
+    expected, _ = generate(engine, PROMPTS, params)
     engine.shutdown()
+    assert expected[0] != expected_greedy[0] and expected[3] != expected_greedy[3]  # each feature bites
     oracle.answers = {tuple(p): out for p, out in zip(PROMPTS, expected)}
     engine = make_engine(tiny_llama_dir, oracle_config(4))
-    outputs, _ = generate(engine, PROMPTS[:2], params)
+    outputs, _ = generate(engine, PROMPTS, params)
     assert outputs == expected
-    assert spec_counts(engine) == (0, 0)
+    drafted, accepted = spec_counts(engine)
+    assert accepted == drafted > 0
+
+
+def test_each_drafted_rows_penalized_logits_equal_transformers_at_its_position(tiny_llama_dir, tiny_llama_reference,
+                                                                                oracle, monkeypatch):
+    """Row j of a request checking drafts gets the logits transformers' repetition penalty (and
+    the frequency and presence penalties by hand) give after the prompt, the output and the
+    request's first j drafts."""
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from hookllm.worker import sampler
+
+    prompt, penalties = PROMPTS[3], dict(repetition_penalty=1.7, frequency_penalty=0.5, presence_penalty=0.3)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **penalties)
+    engine = make_engine(tiny_llama_dir, None)
+    (expected,), _ = generate(engine, [prompt], params)
+    engine.shutdown()
+    oracle.answers = {tuple(prompt): expected}
+    captured = []
+    real = sampler.sample
+    monkeypatch.setattr(sampler, "sample", lambda logits, *args: captured.append(logits.clone()) or real(logits, *args))
+    engine = make_engine(tiny_llama_dir, oracle_config(3))
+    assert generate(engine, [prompt], params)[0] == [expected]
+    assert max(len(logits) for logits in captured) == 4
+    emitted = 0
+    for logits in captured:
+        for j, row in enumerate(logits):
+            output = expected[:emitted + j]
+            with torch.inference_mode():
+                raw = tiny_llama_reference(torch.tensor([prompt + output])).logits[0, -1].float()
+            want = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), raw[None])[0]
+            counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=want.shape[0]).float()
+            want -= 0.5 * counts + 0.3 * (counts > 0)
+            torch.testing.assert_close(row, want, atol=1e-4, rtol=0)
+        emitted += len(logits)
 
 
 def test_disable_by_batch_size_turns_speculation_off_for_large_batches(tiny_llama_dir, expected_greedy, oracle):

@@ -11,9 +11,10 @@ same tokens too. This is Leviathan et al.'s rejection sampling for a proposer th
 tokens (a one-hot ``q``: a draft is kept with probability ``p(draft)``, and a rejected position
 draws from ``p`` without it), with the sampler's own randomness deciding both.
 
-Requests whose logits depend on the tokens before each position beyond what the model sees
-(penalties, logit bias and bad words, plugins' per-request arguments in ``extra_args`` such as a
-structured output grammar) get no drafts: they decode one token a step, unchanged.
+The penalties stage counts, for each row, its request's output and the drafts before the row.
+Requests carrying plugins' per-request arguments in ``extra_args`` (a structured output grammar,
+whose matcher advances one accepted token at a time) get no drafts: they decode one token a
+step, unchanged.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def runs_ending_at(last: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def takes_drafts(request: CachedRequestState) -> bool:
     """Whether a request's sampling allows drafts (see the module's note)."""
     params = request.sampling_params
-    return request.pooling_params is None and not params.needs_logits_processing and not params.extra_args
+    return request.pooling_params is None and not params.extra_args
 
 
 def num_emitted(sampled: np.ndarray, draft_ids: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:

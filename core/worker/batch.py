@@ -85,11 +85,22 @@ class Batch:
         return self.previous.token_ids_by_request() if self.previous is not None else {}
 
     def exact_output_token_ids(self) -> list[list[int]]:
-        """Each sampling request's complete output ids, the in-flight token included (waits as
-        ``in_flight_token_ids`` does)."""
+        """Each sampling row's output ids before the token it samples: its request's complete
+        output, the in-flight token included (waits as ``in_flight_token_ids`` does), then, in a
+        speculating step, the drafts before the row."""
         pending = self.in_flight_token_ids()
-        return [r.output_token_ids + ([pending[r.request_id]] if r.request_id in pending else [])
-                for r in self.sampling_requests]
+        outputs = [r.output_token_ids + ([pending[r.request_id]] if r.request_id in pending else [])
+                   for r in self.sampling_requests]
+        if self.spec_token_ids is not None:
+            outputs = [output + drafts for output, drafts in zip(outputs, self.drafts_before_rows())]
+        return outputs
+
+    def drafts_before_rows(self) -> list[list[int]]:
+        """Each sampling row's drafts before it (its request's first j drafts for its row j;
+        empty for every row of a step without drafts)."""
+        if self.spec_token_ids is None:
+            return [[] for _ in self.sampling_requests]
+        return [drafts[:j] for drafts in self.spec_token_ids for j in range(len(drafts) + 1)]
 
 
 class LogitsJob(Protocol):

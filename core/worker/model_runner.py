@@ -522,6 +522,8 @@ class ModelRunner:
         drafts = batch.spec_token_ids or [[] for _ in requests]
         sampled, logprobs = step.resolve()
         token_ids, logprobs_rows, emitted = self.spec.verify(sampled, logprobs, drafts)
+        if batch.spec_token_ids is not None:  # else _sample counted the one token each request emits
+            self.logits_adjuster.record_emitted(requests, token_ids)
         # The emitted tokens join each request's token row, which the proposer searches.
         rows = batch.rows[sampling_rows]
         self.input_batch.write_token_ids(rows, np.fromiter(map(len, [r.all_token_ids for r in requests]),
@@ -569,7 +571,8 @@ class ModelRunner:
         self.hooks.hook.process_logits(logits=logits, batch=batch, context=self.hooks.context)
         sampled = self.hooks.hook.sample(logits=logits, batch=batch, context=self.hooks.context)
         self._check_sampled(sampled, logits.shape[0])
-        self.logits_adjuster.record_sampled(adjusted, sampled)
+        if batch.spec_token_ids is None:  # a speculating step counts the tokens it keeps (record_emitted)
+            self.logits_adjuster.record_sampled(adjusted, sampled)
         return self._sampled_tokens(logits, batch, sampled)
 
     def shutdown(self) -> None:

@@ -69,8 +69,11 @@ class LogitsAdjuster:
         adjusted = self._adjusted_rows(batch.sampling_requests)
         if adjusted is None:
             return None
-        ops_for(logits).apply_penalties(logits, adjusted.rows, adjusted.slots, self.bias, self.counts,
-                                         self.prompt_mask, self.penalties)
+        if batch.spec_token_ids is not None and any(batch.spec_token_ids):
+            self._apply_with_drafts(logits, adjusted, batch)
+        else:
+            ops_for(logits).apply_penalties(logits, adjusted.rows, adjusted.slots, self.bias, self.counts,
+                                             self.prompt_mask, self.penalties)
         if self.bad_words:
             self._ban_bad_words(logits, batch)
         return adjusted
@@ -94,6 +97,31 @@ class LogitsAdjuster:
             adjusted = AdjustedRows(index[:len(rows)], index[len(rows):])
         self.last_rows = (list(requests), adjusted)
         return adjusted
+
+    def _apply_with_drafts(self, logits: torch.Tensor, adjusted: AdjustedRows, batch: Batch) -> None:
+        """A speculating step's rows: each row's counts are its request's plus the drafts before
+        it (the tokens its position follows), in a table of the adjusted rows' own."""
+        drafts = batch.drafts_before_rows()
+        rows = [row for row, request in enumerate(batch.sampling_requests) if request.request_id in self.slots]
+        entries = [(i, token) for i, row in enumerate(rows) for token in drafts[row]]
+        counts = self.counts[adjusted.slots]
+        if entries:
+            index = to_device_async(torch.tensor(entries, dtype=torch.long).T.contiguous(), self.device)
+            counts.index_put_((index[0], index[1]), torch.ones(len(entries), dtype=counts.dtype, device=self.device),
+                              accumulate=True)
+        own = torch.arange(len(rows), device=self.device)
+        ops_for(logits).apply_penalties(logits, adjusted.rows, own, self.bias[adjusted.slots], counts,
+                                         self.prompt_mask[adjusted.slots], self.penalties[adjusted.slots])
+
+    def record_emitted(self, requests: list[CachedRequestState], token_ids: list[list[int]]) -> None:
+        """Count a speculating step's emitted tokens (each request's kept drafts and its last
+        token), read on the host, for the requests with a slot."""
+        entries = [(self.slots[request.request_id], token) for request, tokens in zip(requests, token_ids)
+                   if request.request_id in self.slots for token in tokens]
+        if entries:
+            index = to_device_async(torch.tensor(entries, dtype=torch.long).T.contiguous(), self.device)
+            self.counts.index_put_((index[0], index[1]), torch.ones(len(entries), dtype=self.counts.dtype,
+                                                                    device=self.device), accumulate=True)
 
     def record_sampled(self, adjusted: AdjustedRows | None, sampled: torch.Tensor) -> None:
         """Count each adjusted row's sampled token, on the device."""
