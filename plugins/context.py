@@ -51,9 +51,14 @@ class RequestParameters:
     the default and removes from ``extra_args``, where the same name is the field's other
     spelling). ``modalities``: ``multi_modal_data`` keys its ``preprocess_request`` turns into
     ``mm_items``. ``extra_args``: ``SamplingParams.extra_args`` keys its hooks read (its
-    ``add_cli_options`` dests count without being named here).
+    ``add_cli_options`` dests count without being named here). ``drafted_extra_args``:
+    ``extra_args`` keys (its own, set by the user or by its ``preprocess_request``) whose
+    logits hooks handle a speculating step's rows, a request checking k guesses having k + 1
+    (each row's output from ``batch.exact_output_token_ids()``): a request carrying other
+    ``extra_args`` keys gets no guesses under speculative decoding.
     """
 
     sampling_params: tuple[str, ...] = ()
     modalities: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()
+    drafted_extra_args: tuple[str, ...] = ()

@@ -240,6 +240,12 @@ class ActiveHooks:
             for name, caller in vars(pm.hook).items()})
 
     @property
+    def drafted_extra_args(self) -> frozenset[str]:
+        """The ``extra_args`` keys whose active plugins handle drafted rows (``RequestParameters``)."""
+        return frozenset(key for info in self.loaded if info.name in self.active_names
+                         for key in info.parameters.drafted_extra_args)
+
+    @property
     def plugin_names(self) -> list[str]:
         return [name for name, _ in self.pm.list_name_plugin()]
 

@@ -249,16 +249,31 @@ def test_stop_tokens_and_max_tokens_inside_an_accepted_run(tiny_llama_dir, expec
     assert outputs[1] == expected_greedy[1][:7]
 
 
-def final_outputs(engine: LLMEngine, prompts: list, params: SamplingParams) -> list:
-    """Each prompt's finished CompletionOutput."""
+def final_outputs(engine: LLMEngine, prompts: list, params: SamplingParams | list[SamplingParams]) -> list:
+    """Each prompt's finished CompletionOutput (``params``: one for all, or one per prompt)."""
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
+        engine.add_request(str(i), prompt, params[i] if isinstance(params, list) else params)
     finished = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output.outputs[0]
     return [finished[str(i)] for i in range(len(prompts))]
+
+
+def test_a_stop_token_inside_an_accepted_run_keeps_the_text_before_it(tiny_llama_dir, expected_greedy, oracle):
+    """The tokens a step keeps before its stop token get their text, as one a step would."""
+    prompts = [{"prompt_token_ids": PROMPTS[0]}]
+    # The first step samples token 0, the next keeps tokens 1 .. 3 and the stop token is its fourth.
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[expected_greedy[0][4]])
+    engine = make_engine(tiny_llama_dir, None)
+    expected = final_outputs(engine, prompts, params)
+    engine.shutdown()
+    oracle.answers = {tuple(PROMPTS[0]): expected_greedy[0]}
+    engine = make_engine(tiny_llama_dir, oracle_config(4))
+    outputs = final_outputs(engine, prompts, params)
+    assert (outputs[0].text, outputs[0].finish_reason) == (expected[0].text, "stop")
+    assert outputs[0].text
 
 
 def test_a_stop_string_inside_an_accepted_run_cuts_the_text_there(tiny_llama_dir, oracle):
@@ -278,20 +293,30 @@ def test_a_stop_string_inside_an_accepted_run_cuts_the_text_there(tiny_llama_dir
     assert spec_counts(engine)[1] > 0
 
 
-def test_structured_output_requests_decode_without_guesses_and_stay_valid(tiny_llama_dir, oracle):
+@pytest.mark.parametrize("offset", [0, 1], ids=["right-guesses", "wrong-guesses"])
+def test_structured_output_masks_each_drafted_row_after_the_drafts_before_it(tiny_llama_dir, oracle, offset):
+    """A constrained request takes guesses: its row j is masked as the grammar stands after the
+    output and the first j guesses. Right guesses are all kept (a row masked as the first would
+    refuse them), wrong ones are refused, and the text is the one without speculation."""
     from hookllm.sampling_params import StructuredOutputsParams
 
-    choices = ["alpha beta gamma", "delta epsilon"]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(
-        choice=choices))
+    specs = [StructuredOutputsParams(choice=["alpha beta gamma", "delta epsilon"]),
+             StructuredOutputsParams(regex="[a-f]{6}-[0-9]{6}"),
+             StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer"}},
+                                           "required": ["n"], "additionalProperties": False})]
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=spec) for spec in specs]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
     engine = make_engine(tiny_llama_dir, None, plugins=["structured"])
-    expected = final_outputs(engine, [{"prompt_token_ids": PROMPTS[0]}], params)
+    expected = final_outputs(engine, prompts, params)
     engine.shutdown()
-    oracle.answers = {tuple(PROMPTS[0]): expected[0].token_ids}
+    oracle.answers = {tuple(p["prompt_token_ids"]): out.token_ids for p, out in zip(prompts, expected)}
+    oracle.offset = offset
     engine = make_engine(tiny_llama_dir, oracle_config(4), plugins=["structured"])
-    outputs = final_outputs(engine, [{"prompt_token_ids": PROMPTS[0]}], params)
-    assert outputs[0].text == expected[0].text and outputs[0].text in choices
-    assert spec_counts(engine) == (0, 0)
+    outputs = final_outputs(engine, prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    assert outputs[0].text in ("alpha beta gamma", "delta epsilon")
+    drafted, accepted = spec_counts(engine)
+    assert drafted > 0 and accepted == (drafted if offset == 0 else 0)
 
 
 def test_logprobs_are_those_of_the_emitted_tokens(tiny_llama_dir, expected_greedy, oracle):

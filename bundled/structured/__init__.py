@@ -69,7 +69,8 @@ check_llguidance_version()
 
 @hookimpl
 def claim_request_parameters() -> RequestParameters:
-    return RequestParameters(sampling_params=("structured_outputs",))
+    # Its masks follow the drafts before each row: a constrained request takes guesses.
+    return RequestParameters(sampling_params=("structured_outputs",), drafted_extra_args=(COMPILED_KEY,))
 
 
 @hookimpl

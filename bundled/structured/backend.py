@@ -249,6 +249,7 @@ class MaskJob:
         if engine.process is None:
             engine.process = MatcherProcess()
         messages = []
+        drafts = self.batch.drafts_before_rows()
         for j in self.rows:
             state = self.batch.sampling_requests[j]
             compiled: CompiledGrammar = state.sampling_params.extra_args[COMPILED_KEY]
@@ -259,12 +260,13 @@ class MaskJob:
                 engine.process.add_tokenizer(compiled.tokenizer_key, tokenizer_json(compiled.tokenizer_path),
                                              compiled.eos_token_ids)
                 grammar = compiled.grammar
-            # Only the new tokens are read: a request's output may be long.
+            # Only the new tokens are read: a request's output may be long. A request checking
+            # guesses has a row per guess after its first: those bring no new tokens.
             new = state.all_token_ids[state.num_prompt_tokens + entry.consumed:]
-            if state.request_id in self.in_flight:
+            if state.request_id in self.in_flight and not drafts[j]:
                 new.append(self.in_flight[state.request_id])
             entry.consumed += len(new)
-            messages.append((state.request_id, compiled.tokenizer_key, grammar, new))
+            messages.append((state.request_id, compiled.tokenizer_key, grammar, new, drafts[j]))
         words = (compiled.vocab_size + 31) // 32  # an engine's requests share one tokenizer
         drops = [engine.drops.popleft() for _ in range(len(engine.drops))]
         engine.process.send_step(drops, messages, words)

@@ -53,9 +53,11 @@ class MatcherProcess:
             self._send(("tokenizer", key, tokenizer_json, list(eos_token_ids)))
             self._tokenizers.add(key)
 
-    def send_step(self, drops: list[str], rows: list[tuple[str, tuple, str | None, list[int]]], words: int) -> None:
+    def send_step(self, drops: list[str], rows: list[tuple[str, tuple, str | None, list[int], list[int]]],
+                  words: int) -> None:
         """Start a step: drop the matchers of ``drops``; advance and mask ``rows``
-        (``(request_id, tokenizer_key, grammar or None, new_tokens)``, see ``matcher_server.py``).
+        (``(request_id, tokenizer_key, grammar or None, new_tokens, drafts_before_row)``, see
+        ``matcher_server.py``).
         ``receive_step`` takes its result; a step whose result was never taken (its job failed)
         is taken and dropped first."""
         if self._rows_in_flight is not None:

@@ -10,9 +10,11 @@ socket ``FD``) and exits when the other end closes it. Messages are tuples:
 - ``("buffer", rows, words)``, followed by the buffer's file descriptor (``send_handle``): the
   shared ``[rows, words]`` int32 mask buffer the next steps fill.
 - ``("step", drops, rows)``: forget the matchers of the request ids ``drops``; then for row ``k``
-  of ``rows``, ``(request_id, tokenizer_key, grammar, new_tokens)``, start the request's matcher
-  over when ``grammar`` is not None, feed it ``new_tokens`` and fill mask row ``k``: what the
-  grammar allows next, or EOS alone once the matcher stopped or failed. Reply
+  of ``rows``, ``(request_id, tokenizer_key, grammar, new_tokens, drafts)``, start the request's
+  matcher over when ``grammar`` is not None, feed it ``new_tokens`` and fill mask row ``k``: what
+  the grammar allows after ``drafts`` (a speculating step's guesses before the row, taken back
+  once the mask is filled), or EOS alone once the matcher stopped or failed (or refuses a
+  draft: that row's sample is never kept, as the row before it rejects the draft). Reply
   ``("ok", failures, seconds)``, ``failures`` being ``(request_id, reason)`` of the matchers
   that failed in this step and ``seconds`` the time the step took here, or ``("error",
   traceback)`` if the step raised.
@@ -64,17 +66,18 @@ class MatcherServer:
         self._mapping = mmap.mmap(fd, rows * words * 4)
         self.masks = np.frombuffer(self._mapping, dtype=np.int32).reshape(rows, words)
 
-    def step(self, drops: list[str], rows: list[tuple[str, tuple, str | None, list[int]]]) -> list[tuple[str, str]]:
+    def step(self, drops: list[str], rows: list[tuple[str, tuple, str | None, list[int], list[int]]]
+             ) -> list[tuple[str, str]]:
         for request_id in drops:
             self.entries.pop(request_id, None)
         entries = []
-        for request_id, tokenizer_key, grammar, _ in rows:
+        for request_id, tokenizer_key, grammar, *_ in rows:
             if grammar is not None:
                 tokenizer = self.tokenizers[tokenizer_key]
                 self.entries[request_id] = _Entry(llguidance.LLMatcher(tokenizer, grammar), tokenizer)
             entries.append(self.entries[request_id])
         failures = self._advance(entries, [row[0] for row in rows], [row[3] for row in rows])
-        self._fill(entries)
+        self._fill(entries, [row[4] for row in rows])
         return failures
 
     def _advance(self, entries: list[_Entry], request_ids: list[str], new: list[list[int]]) -> list[tuple[str, str]]:
@@ -94,17 +97,35 @@ class MatcherServer:
                 failures.append((request_id, reason(entry.matcher.get_error())))
         return failures
 
-    def _fill(self, entries: list[_Entry]) -> None:
-        healthy = []
-        for k, entry in enumerate(entries):
+    def _fill(self, entries: list[_Entry], drafts: list[list[int]]) -> None:
+        healthy, drafted = [], []
+        for k, (entry, before) in enumerate(zip(entries, drafts)):
             if entry.failed or entry.matcher.is_stopped():
-                self.masks[k] = 0  # EOS only: ends the request (unless ignore_eos)
-                for eos in entry.tokenizer.eos_tokens:
-                    self.masks.view(np.uint32)[k, eos // 32] |= np.uint32(1 << (eos % 32))
+                self._eos_only(k, entry)
+            elif before:
+                drafted.append((entry, k, before))
             else:
                 healthy.append((entry.matcher, k))
         if healthy:  # in Rust, on llguidance's threads
             llguidance.numpy.fill_next_token_bitmask_par(self.executor, healthy, self.masks)
+        # After the rows without drafts: a drafted row's matcher is its request's, moved ahead and back.
+        for entry, k, before in drafted:
+            matcher = entry.matcher
+            if matcher.validate_tokens(before) < len(before):  # checked first: a refused token breaks a matcher
+                self._eos_only(k, entry)
+                continue
+            matcher.consume_tokens(before)
+            if matcher.is_stopped():
+                self._eos_only(k, entry)
+            else:
+                llguidance.numpy.fill_next_token_bitmask(matcher, self.masks, k)
+            matcher.rollback(len(before))
+
+    def _eos_only(self, k: int, entry: _Entry) -> None:
+        """Mask row ``k`` allows EOS alone: it ends the request (unless ignore_eos)."""
+        self.masks[k] = 0
+        for eos in entry.tokenizer.eos_tokens:
+            self.masks.view(np.uint32)[k, eos // 32] |= np.uint32(1 << (eos % 32))
 
 
 def serve(connection: Connection) -> None:

@@ -189,11 +189,12 @@ class OutputProcessor:
             if core_output.num_draft_tokens:
                 state.metrics.spec_num_draft_tokens += core_output.num_draft_tokens
                 state.metrics.spec_num_accepted_tokens += core_output.num_accepted_tokens
-            if core_output.finish_reason is not None:
-                state.finish_reason, state.stop_reason = core_output.finish_reason, core_output.stop_reason
-            # Several tokens under speculative decoding: those after a stop string are dropped.
-            logprobs = core_output.new_logprobs
+            # Several tokens under speculative decoding: those after a stop string are dropped, and
+            # the core's finish reason comes with the last (a stop token adds no text, the others do).
+            logprobs, last = core_output.new_logprobs, len(core_output.new_token_ids) - 1
             for index, token_id in enumerate(core_output.new_token_ids):
+                if index == last and core_output.finish_reason is not None:
+                    state.finish_reason, state.stop_reason = core_output.finish_reason, core_output.stop_reason
                 if self._append_token(state, token_id, None if logprobs is None else logprobs[index], now):
                     if core_output.finish_reason is None:
                         reqs_to_abort.append(state.request_id)

@@ -11,10 +11,10 @@ same tokens too. This is Leviathan et al.'s rejection sampling for a proposer th
 tokens (a one-hot ``q``: a draft is kept with probability ``p(draft)``, and a rejected position
 draws from ``p`` without it), with the sampler's own randomness deciding both.
 
-The penalties stage counts, for each row, its request's output and the drafts before the row.
-Requests carrying plugins' per-request arguments in ``extra_args`` (a structured output grammar,
-whose matcher advances one accepted token at a time) get no drafts: they decode one token a
-step, unchanged.
+The penalties stage counts, for each row, its request's output and the drafts before the row;
+a plugin's logits hooks do as its ``drafted_extra_args`` claim says (the structured output
+plugin masks each row after the drafts before it). A request carrying other plugins'
+per-request arguments in ``extra_args`` gets no drafts: it decodes one token a step, unchanged.
 """
 
 from __future__ import annotations
@@ -63,10 +63,10 @@ def runs_ending_at(last: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return (last - lengths + 1)[owner] + offsets
 
 
-def takes_drafts(request: CachedRequestState) -> bool:
-    """Whether a request's sampling allows drafts (see the module's note)."""
-    params = request.sampling_params
-    return request.pooling_params is None and not params.extra_args
+def takes_drafts(request: CachedRequestState, drafted_extra_args: frozenset[str]) -> bool:
+    """Whether a request's sampling allows drafts: every ``extra_args`` key it carries is one
+    whose plugin handles drafted rows (see the module's note)."""
+    return request.pooling_params is None and drafted_extra_args.issuperset(request.sampling_params.extra_args)
 
 
 def num_emitted(sampled: np.ndarray, draft_ids: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
@@ -90,9 +90,10 @@ def num_emitted(sampled: np.ndarray, draft_ids: np.ndarray, num_drafts: np.ndarr
 class SpecDecoder:
     """The runner's speculative decoding: its proposer, and what verifying a step takes."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, drafted_extra_args: frozenset[str] = frozenset()):
         self.config = config
         self.proposer = proposer
+        self.drafted_extra_args = drafted_extra_args  # the active plugins' (hookllm.plugins.context.RequestParameters)
         self.failed = False  # the proposer raised once: logged, and every later failure is quiet
 
     def verify(self, sampled: list[int], logprobs: list[LogprobsRow | None], drafts: Sequence[Sequence[int]]

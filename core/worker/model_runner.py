@@ -528,7 +528,7 @@ class ModelRunner:
         rows = batch.rows[sampling_rows]
         self.input_batch.write_token_ids(rows, np.fromiter(map(len, [r.all_token_ids for r in requests]),
                                                            dtype=np.int64, count=len(requests)), token_ids)
-        guessing = [i for i, request in enumerate(requests) if takes_drafts(request)]
+        guessing = [i for i, request in enumerate(requests) if takes_drafts(request, self.spec.drafted_extra_args)]
         proposals: list[list[int]] = [[] for _ in requests]
         if guessing:
             index = np.asarray(guessing, dtype=np.int64)

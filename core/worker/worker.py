@@ -213,7 +213,7 @@ class Worker:
                                              keeps_token_ids=config.speculative_config is not None), pooler)
         self.runner.lora = self.lora
         if proposer is not None:
-            self.runner.spec = SpecDecoder(config.speculative_config, proposer)
+            self.runner.spec = SpecDecoder(config.speculative_config, proposer, hooks.drafted_extra_args)
         if config.pipeline_parallel_size > 1:
             self.runner.stage = PipelineStage(capability(model, "pipeline_intermediate_count"),
                                               text_config_of(model_config.hf_config).hidden_size, self.dtype, self.device)
