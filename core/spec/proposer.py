@@ -25,7 +25,7 @@ scheduler keeps ``num_speculative_tokens`` slots ahead.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -104,6 +104,10 @@ class ModelProposer:
     # True for a head over the target's features (EAGLE): it serves the target's positions,
     # whatever its own config's max_position_embeddings.
     head_of_target: bool = False
+    # True when its model has the target's forward (ids, positions): on CUDA the engine then
+    # captures it in decode graphs (``graphs``, a CudaGraphRunner) for its one-token steps.
+    captures_decode_graphs: bool = False
+    graphs: Any = None
 
     def __init__(self, config: SpeculativeConfig, context: EngineContext, model: nn.Module, target: nn.Module) -> None:
         self.config = config

@@ -227,6 +227,13 @@ class Worker:
                 max_num_seqs=config.max_num_seqs, num_kv_cache_groups=self.kv_cache_groups.num_groups,
                 lora_mapping=self.lora.mapping if self.lora is not None else None,
             )
+            if isinstance(proposer, ModelProposer) and proposer.captures_decode_graphs:
+                proposer.graphs = CudaGraphRunner(
+                    self.draft_model, text_config_of(model_config.spec_draft.hf_config).hidden_size, self.dtype,
+                    self.device, max_batch_size=min(config.max_num_seqs, config.max_cuda_graph_batch_size),
+                    max_blocks_per_seq=-(-model_config.max_model_len // config.block_size),
+                    max_model_len=model_config.max_model_len, backend=self.attention_backend,
+                    num_kv_cache_groups=self.kv_cache_groups.num_groups)
             phase("cuda_graphs")
         # Compiling on first use would land in the first requests' latency (hookllm.worker.warmup).
         if config.warmup and self.device.type == "cuda" and self.runner.stage is None:
