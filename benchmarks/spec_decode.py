@@ -291,7 +291,7 @@ def main() -> None:
     run(engine, single, [8])
     rows = []
 
-    def measure(name: str, k: int, length: float) -> None:
+    def measure(engine, name: str, k: int, length: float) -> None:
         prompts, max_tokens = workloads[name]
         ReplayProposer.k, ReplayProposer.accuracy = k, accuracy_for(length, k) if length < k + 1 else 1.0
         before = engine.get_stats()
@@ -308,9 +308,9 @@ def main() -> None:
     for k in map(int, args.ks.split(",")):
         for length in map(float, args.lengths.split(",")):
             if length <= k + 1:
-                measure("batch 1", k, length)
-    measure(f"batch {args.batch}", 4, 3.0)
-    measure("workload A", 4, 3.0)
+                measure(engine, "batch 1", k, length)
+    measure(engine, f"batch {args.batch}", 4, 3.0)
+    measure(engine, "workload A", 4, 3.0)
     engine.shutdown()
     del engine
     cleanup_dist_env_and_memory()

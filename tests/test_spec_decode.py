@@ -92,12 +92,20 @@ def oracle_config(k: int = 4, **extra) -> dict:
     return {"method": "oracle", "num_speculative_tokens": k, **extra}
 
 
+def greedy_run(model_dir, speculative_config: dict | None, **options) -> tuple[list[list[int]], tuple[int, int]]:
+    """``PROMPTS``' greedy outputs from an engine made for the run (shut down after), and its
+    (drafted, accepted) counts."""
+    engine = make_engine(model_dir, speculative_config, **options)
+    try:
+        outputs, _ = generate(engine, PROMPTS, testing.greedy(MAX_TOKENS))
+        return outputs, spec_counts(engine)
+    finally:
+        engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def expected_greedy(tiny_llama_dir):
-    engine = make_engine(tiny_llama_dir, None)
-    outputs, _ = generate(engine, PROMPTS, testing.greedy(MAX_TOKENS))
-    engine.shutdown()
-    return outputs
+    return greedy_run(tiny_llama_dir, None)[0]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -228,14 +236,10 @@ def test_n_completions_and_swap_preemption_keep_seeded_tokens(tiny_llama_dir, or
 
 def test_tensor_parallel_ranks_verify_alike(tiny_llama_dir, expected_greedy):
     """Two gloo ranks, each proposing and verifying: the tokens of one process."""
-    engine = make_engine(tiny_llama_dir, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
-                         tensor_parallel_size=2)
-    try:
-        outputs, _ = generate(engine, PROMPTS, testing.greedy(MAX_TOKENS))
-        assert spec_counts(engine)[0] > 0
-    finally:
-        engine.shutdown()
+    outputs, (drafted, _) = greedy_run(tiny_llama_dir, {"method": "ngram", "num_speculative_tokens": 3,
+                                                        "prompt_lookup_min": 1}, tensor_parallel_size=2)
     assert outputs == expected_greedy
+    assert drafted > 0
 
 
 def test_stop_tokens_and_max_tokens_inside_an_accepted_run(tiny_llama_dir, expected_greedy, oracle):

@@ -17,15 +17,8 @@ from hookllm import EngineConfig, SamplingParams, hookimpl, testing
 from hookllm.engine.llm_engine import LLMEngine
 from hookllm.plugins.manager import PluginInfo, PluginManager, discover_plugins
 from hookllm.spec.draft_model import DraftModelProposer
-from test_spec_decode import MAX_TOKENS, PROMPTS, generate, make_engine, spec_counts
-
-
-@pytest.fixture(scope="module")
-def expected_greedy(tiny_llama_dir):
-    engine = make_engine(tiny_llama_dir, None)
-    outputs, _ = generate(engine, PROMPTS, testing.greedy(MAX_TOKENS))
-    engine.shutdown()
-    return outputs
+from test_spec_decode import (MAX_TOKENS, PROMPTS, expected_greedy, generate, greedy_run,  # noqa: F401 - a fixture
+                              make_engine, spec_counts)
 
 
 @pytest.fixture(scope="module")
@@ -131,12 +124,7 @@ def test_the_drafts_layers_take_their_share_of_each_cache_block(tiny_llama_dir):
 
 def test_tensor_parallel_ranks_draft_alike(tiny_llama_dir, expected_greedy):
     """Two gloo ranks, the draft sharded as the target is: the tokens of one process."""
-    engine = make_engine(tiny_llama_dir, draft_config(tiny_llama_dir, 3), tensor_parallel_size=2)
-    try:
-        outputs, _ = generate(engine, PROMPTS, testing.greedy(MAX_TOKENS))
-        drafted, accepted = spec_counts(engine)
-    finally:
-        engine.shutdown()
+    outputs, (drafted, accepted) = greedy_run(tiny_llama_dir, draft_config(tiny_llama_dir, 3), tensor_parallel_size=2)
     assert outputs == expected_greedy
     assert accepted == drafted > 0
 

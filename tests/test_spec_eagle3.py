@@ -17,7 +17,7 @@ from hookllm import EngineConfig, hookimpl, testing
 from hookllm.engine.llm_engine import LLMEngine
 from hookllm.plugins.manager import PluginInfo, PluginManager, discover_plugins
 from hookllm.spec.eagle import Eagle3Proposer
-from test_spec_decode import MAX_TOKENS, PROMPTS, generate, make_engine, spec_counts
+from test_spec_decode import MAX_TOKENS, PROMPTS, generate, greedy_run, make_engine, spec_counts
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB, DRAFT_VOCAB = 64, 4, 2, 16, 128, 320, 100
 AUX_LAYERS = [0, 2, 3]  # of a 4-layer target
@@ -168,10 +168,7 @@ def recording_engine(target_dir, head_dir, k: int, **options) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def expected_greedy(target_dir):
-    engine = make_engine(target_dir, None)
-    outputs, _ = generate(engine, PROMPTS, testing.greedy(MAX_TOKENS))
-    engine.shutdown()
-    return outputs
+    return greedy_run(target_dir, None)[0]
 
 
 @pytest.mark.parametrize("options", [{}, {"async_scheduling": True},
@@ -232,14 +229,10 @@ def test_eagle3_refuses_a_model_that_is_not_a_head(target_dir):
 
 def test_tensor_parallel_ranks_run_the_head_alike(target_dir, head_dir, expected_greedy):
     """Two gloo ranks, the head sharded as the target: the tokens of one process."""
-    engine = make_engine(target_dir, {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3},
-                         tensor_parallel_size=2)
-    try:
-        outputs, _ = generate(engine, PROMPTS, testing.greedy(MAX_TOKENS))
-        assert spec_counts(engine)[0] > 0
-    finally:
-        engine.shutdown()
+    outputs, (drafted, _) = greedy_run(target_dir, {"method": "eagle3", "model": str(head_dir),
+                                                    "num_speculative_tokens": 3}, tensor_parallel_size=2)
     assert outputs == expected_greedy
+    assert drafted > 0
 
 
 def test_serving_a_head_alone_is_refused_naming_what_it_is(head_dir):
