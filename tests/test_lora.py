@@ -88,6 +88,19 @@ def test_a_mixed_batch_equals_peft_per_request(make_llm, requests, references, a
     check(run(llm, requests, batch), batch, references)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_speculative_decoding_verifies_each_row_with_its_requests_adapter(make_llm, tiny_llama_dir, requests,
+                                                                        references, async_scheduling):
+    """The base model drafts for every request (draft_model, no adapters); each request's k + 1
+    verified rows run its own adapter, so its tokens are PEFT's, guesses kept or not."""
+    llm = make_llm(enable_lora=True, max_loras=3, async_scheduling=async_scheduling,
+                   speculative_config={"model": str(tiny_llama_dir), "num_speculative_tokens": 3})
+    batch = mixed_batch(requests)
+    check(run(llm, requests, batch), batch, references)
+    stats = llm.engine.get_stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
 def test_each_output_names_the_adapter_its_request_ran_with(make_llm, requests):
     llm = make_llm(enable_lora=True, max_loras=3)
     batch = mixed_batch(requests)[:4]

@@ -207,29 +207,38 @@ def test_seeded_sampling_gives_the_same_tokens_with_speculation(tiny_llama_dir, 
     assert accepted == drafted > 0
 
 
-def test_n_completions_and_swap_preemption_keep_seeded_tokens(tiny_llama_dir, oracle):
+N_COMPLETIONS = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
+SWAPPING = dict(num_kv_blocks=5, preemption_mode="swap", max_num_batched_tokens=24)
+
+
+def n_completions(engine: LLMEngine) -> list[list[list[int]]]:
+    """Each prompt's two completions under ``N_COMPLETIONS``."""
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, N_COMPLETIONS)
+    finished: dict[str, dict[int, list[int]]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            finished.setdefault(output.request_id, {}).update(
+                {c.index: c.token_ids for c in output.outputs if c.finish_reason is not None})
+    return [[finished[str(i)][index] for index in range(2)] for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def expected_n_completions(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, None, **SWAPPING)
+    try:
+        return n_completions(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_n_completions_and_swap_preemption_keep_seeded_tokens(tiny_llama_dir, expected_n_completions, oracle):
     """n = 2 seeded completions (each its own request) in a cache too small for all: swapped out
     and back, their tokens are those without speculation."""
-    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
-    options = dict(num_kv_blocks=5, preemption_mode="swap", max_num_batched_tokens=24)
-
-    def completions(engine) -> list[list[int]]:
-        for i, prompt in enumerate(PROMPTS):
-            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-        finished: dict[str, dict[int, list[int]]] = {}
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                finished.setdefault(output.request_id, {}).update(
-                    {c.index: c.token_ids for c in output.outputs if c.finish_reason is not None})
-        return [[finished[str(i)][index] for index in range(2)] for i in range(len(PROMPTS))]
-
-    engine = make_engine(tiny_llama_dir, None, **options)
-    expected = completions(engine)
-    engine.shutdown()
-    oracle.answers = {tuple(p): out[0] for p, out in zip(PROMPTS, expected)}
-    engine = make_engine(tiny_llama_dir, oracle_config(3), **options)
+    oracle.answers = {tuple(p): out[0] for p, out in zip(PROMPTS, expected_n_completions)}
+    engine = make_engine(tiny_llama_dir, oracle_config(3), **SWAPPING)
     batches = testing.record_batches(engine)
-    assert completions(engine) == expected
+    assert n_completions(engine) == expected_n_completions
     assert spec_counts(engine)[1] > 0
     assert any(batch.swap_out for batch in batches), "nothing was swapped out"
 

@@ -17,8 +17,8 @@ from hookllm import EngineConfig, SamplingParams, hookimpl, testing
 from hookllm.engine.llm_engine import LLMEngine
 from hookllm.plugins.manager import PluginInfo, PluginManager, discover_plugins
 from hookllm.spec.draft_model import DraftModelProposer
-from test_spec_decode import (MAX_TOKENS, PROMPTS, expected_greedy, generate, greedy_run,  # noqa: F401 - a fixture
-                              make_engine, spec_counts)
+from test_spec_decode import (MAX_TOKENS, PROMPTS, SWAPPING, expected_greedy, expected_n_completions,  # noqa: F401
+                              generate, greedy_run, make_engine, n_completions, spec_counts)
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +89,18 @@ def test_swap_preemption_carries_the_drafts_cache(tiny_llama_dir, expected_greed
     assert any(batch.swap_out for batch in batches), "nothing was swapped out"
     drafted, accepted = spec_counts(engine)
     assert accepted == drafted > 0
+
+
+def test_seeded_n_completions_through_swap_preemption_keep_their_tokens(tiny_llama_dir, expected_n_completions):
+    """n = 2 seeded completions per prompt in a cache too small for all, swapped out and back
+    with the draft's K/V: the tokens without speculation, some of the draft's greedy guesses
+    kept (at temperature 1 the target often draws another token)."""
+    engine = make_engine(tiny_llama_dir, draft_config(tiny_llama_dir, 3), **SWAPPING)
+    batches = testing.record_batches(engine)
+    assert n_completions(engine) == expected_n_completions
+    assert any(batch.swap_out for batch in batches), "nothing was swapped out"
+    drafted, accepted = spec_counts(engine)
+    assert accepted > 0 and drafted > 0
 
 
 def test_prefix_cache_hits_hold_the_drafts_cache_too(tiny_llama_dir, expected_greedy):
