@@ -196,3 +196,30 @@ def test_a_failing_draft_model_stops_only_speculation(tiny_llama_dir, expected_g
         outputs, _ = generate(engine, PROMPTS, testing.greedy(MAX_TOKENS))
     assert outputs == expected_greedy
     assert sum("the draft fell over" in r.exc_text for r in caplog.records if r.exc_text) == 1
+
+
+def test_the_server_speculates_with_a_draft_model_and_reports_it(tiny_llama_dir):
+    """``hookllm serve --speculative-config`` with a draft model, through the openai client: the
+    texts of the engine without speculation, and vLLM's counters in /metrics."""
+    import openai
+
+    from hookllm import LLM
+    from server_fixtures import Server
+
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64)
+    params = testing.greedy(MAX_TOKENS)
+    expected = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                                        use_tqdm=False)]
+    llm.shutdown()
+    server = Server([str(tiny_llama_dir), "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "64",
+                     "--speculative-config", json.dumps(draft_config(tiny_llama_dir, 3))])
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        for prompt, text in zip(PROMPTS, expected):
+            completion = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                                   extra_body={"ignore_eos": True})
+            assert completion.choices[0].text == text
+        assert server.metric("vllm:spec_decode_num_accepted_tokens_total") > 0
+    finally:
+        server.stop()
