@@ -1,31 +1,33 @@
 """Speculative decoding: time per output token at batch 1, output tok/s at batch 64, and
 workload A with ``disable_by_batch_size``, each against the same engine setup without it.
 
-Random weights accept nothing a real proposer guesses, so the proposer here replays the target's
-own greedy output, recorded in a first run without speculation, and corrupts each guessed token
-with a probability chosen for a stated mean acceptance length (tokens a request emits per
-speculating step: 1 + the drafts kept; with k drafts each right with probability a, it is
-1 + a + ... + a^k). The engine's own counters give the length reached, reported beside the
-target (a verification step computes its rows in another kernel shape than a one-token decode,
-so a near-tie may come out the other way in bf16, after which that request's replay has nothing
-right to guess).
+Random weights accept nothing a real proposer guesses, and their logits are so flat that even
+the target's own greedy output comes out otherwise in a step of another shape (a verification
+step's rows against a one-token decode, in bf16). So the benchmark fixes what the target emits:
+a plugin's ``process_logits`` raises one token per (prompt, position) far above the rest, in
+every run with and without speculation (one indexed add on a step's logits), and the proposer
+guesses those tokens, each corrupted with a probability chosen for a stated mean acceptance
+length (tokens a request emits per speculating step: 1 + the drafts kept; with k drafts each
+right with probability a, it is 1 + a + ... + a^k). The engine's own counters give the length
+reached, reported beside the target.
 
 Runs, in one process on one GPU:
 
 1. an engine without speculation: batch 1 (one prompt of ``--prompt-len`` tokens decoding
-   ``--output-len``), batch 64 (64 such requests), workload A; greedy, their outputs recorded;
-2. one engine with ``speculative_config`` ``{"method": "replay", "num_speculative_tokens": 6,
+   ``--output-len``), batch 64 (64 such requests), workload A;
+2. one engine with ``speculative_config`` ``{"method": "forced", "num_speculative_tokens": 6,
    "disable_by_batch_size": --disable-by-batch-size}``: batch 1 for every k in ``--ks`` and mean
    length in ``--lengths`` (the proposer gives k guesses), batch 64 at k=4 and the length 3.0,
    workload A (its tail, once few requests run, speculates);
 3. the proposers' own cost per step: the n-gram lookup for 256 requests of 1,024 tokens each;
 4. ``draft_model`` with a random draft of ``--draft-shape`` and ``eagle3`` with a random
    EAGLE-3 head of the target's shape (saved in the published format; draft vocabulary 32,000):
-   random weights guess wrong, so each gives batch 1 and batch 64 at k=4, the proposer's time
-   per step (its pass over the step's tokens and its k guessing steps, timed apart) and the
-   output rate then; with the replay runs' step time at the same k, the rate a proposer of that
-   cost gives at each measured acceptance length (``projected``: the tokens of a step over the
-   replay's step time plus the proposer's; at batch 1 the time per output token is its inverse).
+   their guesses are wrong (the forced tokens are no model's), so each gives batch 1 and batch
+   64 at k=4, the proposer's time per step (its pass over the step's tokens and its k guessing
+   steps, timed apart) and the output rate then; with the forced runs' step time at the same k,
+   the rate a proposer of that cost gives at each measured acceptance length (``projected``:
+   the tokens of a step over the forced run's step time plus the proposer's; at batch 1 the time
+   per output token is its inverse).
 
     python benchmarks/spec_decode.py --shape llama-3.1-8b --draft-shape llama-3.2-1b
 
@@ -41,6 +43,7 @@ import types
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (add_out_argument, commit, device_name, now, random_checkpoint, synchronize,  # noqa: E402
@@ -51,11 +54,19 @@ from throughput import (add_engine_arguments, checkpoint, engine_kwargs, random_
 MAX_K = 6
 
 
-class ReplayProposer:
-    """Guesses the recorded greedy continuation (``answers``: prompt -> output ids), each guess
-    kept right with probability ``accuracy`` (else another token), at most ``k`` of them."""
+FORCE = 1e4  # added to the forced token's logit: far above any random model's spread
 
-    answers: dict[tuple[int, ...], list[int]] = {}
+
+def forced_tokens(prompts: list[tuple[int, ...]], positions: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The token the target emits at each position of each prompt's request (one id per pair)."""
+    seeds = np.asarray([prompt[0] * 1_000_003 + len(prompt) * 7919 for prompt in prompts], dtype=np.int64)
+    return (seeds * 31 + positions * 104_729) % vocab_size
+
+
+class ForcedProposer:
+    """Guesses the forced tokens, each kept right with probability ``accuracy`` (else another
+    token), ``k`` of them."""
+
     accuracy = 1.0
     k = MAX_K
 
@@ -64,20 +75,26 @@ class ReplayProposer:
         self.vocab_size = context.model_config.hf_config.vocab_size
 
     def propose(self, batch):
-        guesses = []
-        for i, request in enumerate(batch.requests):
-            answer = ReplayProposer.answers.get(tuple(request.prompt_token_ids), [])
-            done = int(batch.num_tokens[i]) - request.num_prompt_tokens
-            guess = np.asarray(answer[done:done + ReplayProposer.k], dtype=np.int64)
-            wrong = self.rng.random(len(guess)) >= ReplayProposer.accuracy
-            guess[wrong] = (guess[wrong] + 1 + self.rng.integers(0, self.vocab_size - 1, int(wrong.sum()))) \
-                % self.vocab_size
-            guesses.append(guess.tolist())
-        return guesses
+        k, num = ForcedProposer.k, len(batch.requests)
+        positions = batch.num_tokens[:, None] + np.arange(k)[None, :]  # the guesses' positions
+        prompts = [tuple(request.prompt_token_ids) for request in batch.requests]
+        guesses = forced_tokens([p for p in prompts for _ in range(k)], positions.ravel(), self.vocab_size)
+        wrong = self.rng.random(len(guesses)) >= ForcedProposer.accuracy
+        guesses[wrong] = (guesses[wrong] + 1 + self.rng.integers(0, self.vocab_size - 1, int(wrong.sum()))) \
+            % self.vocab_size
+        return guesses.reshape(num, k), np.full(num, k)
 
 
 def register_spec_proposers(proposers) -> None:
-    proposers.add("replay", ReplayProposer)
+    proposers.add("forced", ForcedProposer)
+
+
+def process_logits(logits, batch) -> None:
+    """Raise each row's forced token far above the rest: the target emits it, whatever its weights."""
+    prompts = [tuple(request.prompt_token_ids) for request in batch.sampling_requests]
+    targets = forced_tokens(prompts, np.asarray(batch.sampling_positions, dtype=np.int64), logits.shape[1])
+    index = torch.from_numpy(np.stack([np.arange(len(prompts)), targets])).to(logits.device, non_blocking=True)
+    logits[index[0], index[1]] += FORCE
 
 
 def accuracy_for(length: float, k: int) -> float:
@@ -95,12 +112,13 @@ def make_engine(path: Path, args, speculative_config: dict | None):
     from hookllm.plugins.manager import PluginInfo, PluginManager, discover_plugins
 
     plugins = discover_plugins()
-    module = types.ModuleType("replay_proposer")
+    module = types.ModuleType("forced_tokens")
     module.register_spec_proposers = hookimpl(register_spec_proposers)
-    plugins["replay_proposer"] = PluginInfo("replay_proposer", module)
+    module.process_logits = hookimpl(process_logits)
+    plugins["forced_tokens"] = PluginInfo("forced_tokens", module)
     config = EngineConfig(str(path), max_model_len=4096, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, speculative_config=speculative_config,
-                          **engine_kwargs(args))
+                          plugins=["forced_tokens"], **engine_kwargs(args))
     return LLMEngine(config, PluginManager(plugins))
 
 
@@ -146,31 +164,31 @@ def ngram_cost(num_requests: int = 256, length: int = 1024, k: int = 4) -> float
 
 
 class DraftTimer:
-    """Seconds a draft model proposer spends (its ``follow`` and ``propose``), the device
-    synchronized around each call, summed since the last ``take``."""
+    """Seconds a model proposer spends in its ``follow`` and its ``propose``, the device
+    synchronized around each call, summed apart since the last ``take``."""
 
     def __init__(self, proposer):
-        self.seconds = 0.0
+        self.seconds = {"follow": 0.0, "propose": 0.0}
         self.calls = 0
-        for name in ("follow", "propose"):
-            setattr(proposer, name, self._timed(getattr(proposer, name), name == "propose"))
+        for name in self.seconds:
+            setattr(proposer, name, self._timed(getattr(proposer, name), name))
 
-    def _timed(self, method, counts: bool):
+    def _timed(self, method, name: str):
         def timed(*args, **kwargs):
             synchronize()
             start = time.perf_counter()
             result = method(*args, **kwargs)
             synchronize()
-            self.seconds += time.perf_counter() - start
-            self.calls += counts
+            self.seconds[name] += time.perf_counter() - start
+            self.calls += name == "propose"
             return result
         return timed
 
-    def take(self) -> float:
-        """Mean seconds per proposing step since the last take."""
-        mean = self.seconds / max(self.calls, 1)
-        self.seconds, self.calls = 0.0, 0
-        return mean
+    def take(self) -> dict[str, float]:
+        """Mean seconds of each per proposing step since the last take."""
+        means = {name: seconds / max(self.calls, 1) for name, seconds in self.seconds.items()}
+        self.seconds, self.calls = dict.fromkeys(self.seconds, 0.0), 0
+        return means
 
 
 def random_eagle3_head(target: Path, draft_vocab: int = 32000) -> Path:
@@ -227,16 +245,18 @@ def measure_proposer(path: Path, speculative_config: dict, args, workloads: dict
         before = engine.get_stats()
         seconds, _ = run(engine, prompts, max_tokens)
         tokens = sum(max_tokens)
+        spent = timer.take()
         row = {"method": speculative_config["method"], "workload": name, "k": 4,
-               "length": acceptance_length(engine, before),
-               "draft_ms_per_step": timer.take() * 1e3, "output_tok_s": tokens / seconds,
+               "length": acceptance_length(engine, before), "follow_ms_per_step": spent["follow"] * 1e3,
+               "propose_ms_per_step": spent["propose"] * 1e3,
+               "draft_ms_per_step": sum(spent.values()) * 1e3, "output_tok_s": tokens / seconds,
                "base_output_tok_s": tokens / base[name], "x_base": base[name] / seconds}
-        for replay in rows:
-            if replay["workload"] == name and replay["k"] == 4:
-                # A replay step emits length tokens per request; the draft adds its time to each.
-                emitted = len(prompts) * replay["length"]
-                step_s = emitted / replay["output_tok_s"] + row["draft_ms_per_step"] / 1e3
-                row.setdefault("projected_x_base", {})[f"{replay['length']:.2f}"] = (
+        for forced in rows:
+            if forced["workload"] == name and forced["k"] == 4:
+                # A forced run's step emits length tokens per request; the proposer adds its time to each.
+                emitted = len(prompts) * forced["length"]
+                step_s = emitted / forced["output_tok_s"] + row["draft_ms_per_step"] / 1e3
+                row.setdefault("projected_x_base", {})[f"{forced['length']:.2f}"] = (
                     emitted / step_s / row["base_output_tok_s"])
         draft_rows.append(row)
         print(row, flush=True)
@@ -277,23 +297,22 @@ def main() -> None:
     run(engine, single, [8])  # untimed: what the start-up warm-up left to compile
     base: dict[str, float] = {}
     for name, (prompts, max_tokens) in workloads.items():
-        seconds, outputs = run(engine, prompts, max_tokens)
+        seconds, _ = run(engine, prompts, max_tokens)
         base[name] = seconds
-        ReplayProposer.answers.update({tuple(p): out for p, out in zip(prompts, outputs)})
         print(f"no speculation, {name}: {sum(max_tokens) / seconds:.0f} tok/s", flush=True)
     engine.shutdown()
     del engine
     cleanup_dist_env_and_memory()
 
-    engine = make_engine(path, args, {"method": "replay", "num_speculative_tokens": MAX_K,
+    engine = make_engine(path, args, {"method": "forced", "num_speculative_tokens": MAX_K,
                                       "disable_by_batch_size": args.disable_by_batch_size})
-    ReplayProposer.k, ReplayProposer.accuracy = 1, 1.0
+    ForcedProposer.k, ForcedProposer.accuracy = 1, 1.0
     run(engine, single, [8])
     rows = []
 
     def measure(engine, name: str, k: int, length: float) -> None:
         prompts, max_tokens = workloads[name]
-        ReplayProposer.k, ReplayProposer.accuracy = k, accuracy_for(length, k) if length < k + 1 else 1.0
+        ForcedProposer.k, ForcedProposer.accuracy = k, accuracy_for(length, k) if length < k + 1 else 1.0
         before = engine.get_stats()
         seconds, _ = run(engine, prompts, max_tokens)
         tokens = sum(max_tokens)
@@ -340,7 +359,8 @@ def main() -> None:
     for row in draft_rows:
         projected = ", ".join(f"length {length}: {x:.3f}x" for length, x in row.get("projected_x_base", {}).items())
         name = f"draft_model ({args.draft_shape})" if row["method"] == "draft_model" else "eagle3 (random head)"
-        print(f"{name}, {row['workload']}, k=4: proposer {row['draft_ms_per_step']:.2f} ms/step, "
+        print(f"{name}, {row['workload']}, k=4: proposer {row['draft_ms_per_step']:.2f} ms/step (follow "
+              f"{row['follow_ms_per_step']:.2f}, propose {row['propose_ms_per_step']:.2f}), "
               f"{row['x_base']:.3f}x with its guesses; projected: {projected}")
 
 
