@@ -15,14 +15,14 @@ Runs, in one process on one GPU:
 
 1. an engine without speculation: batch 1 (one prompt of ``--prompt-len`` tokens decoding
    ``--output-len``), batch 64 (64 such requests), workload A;
-2. one engine with ``speculative_config`` ``{"method": "forced", "num_speculative_tokens": 6,
-   "disable_by_batch_size": --disable-by-batch-size}``: batch 1 for every k in ``--ks`` and mean
-   length in ``--lengths`` (the proposer gives k guesses), batch 64 at k=4 and the length 3.0,
-   workload A (its tail, once few requests run, speculates);
+2. an engine with ``speculative_config`` ``{"method": "forced", "num_speculative_tokens": 6}``:
+   batch 1 for every k in ``--ks`` and mean length in ``--lengths`` (the proposer gives k
+   guesses), batch 64 at k=4 and the length 3.0; then one with ``"disable_by_batch_size":
+   --disable-by-batch-size`` too: workload A (its tail, once few requests run, speculates);
 3. the proposers' own cost per step: the n-gram lookup for 256 requests of 1,024 tokens each;
-4. ``draft_model`` with a random draft of ``--draft-shape`` and ``eagle3`` with a random
-   EAGLE-3 head of the target's shape (saved in the published format; draft vocabulary 32,000):
-   their guesses are wrong (the forced tokens are no model's), so each gives batch 1 and batch
+4. (unless ``--no-model-proposers``) ``draft_model`` with a random draft of ``--draft-shape``
+   and ``eagle3`` with a random EAGLE-3 head of the target's shape (saved in the published
+   format; draft vocabulary 32,000): their guesses are wrong (the forced tokens are no model's), so each gives batch 1 and batch
    64 at k=4, the proposer's time per step (its pass over the step's tokens and its k guessing
    steps, timed apart) and the output rate then; with the forced runs' step time at the same k,
    the rate a proposer of that cost gives at each measured acceptance length (``projected``:
@@ -275,6 +275,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--disable-by-batch-size", type=int, default=16)
     parser.add_argument("--num-requests", type=int, default=None, help="workload A's requests (default 256)")
+    parser.add_argument("--model-proposers", action=argparse.BooleanOptionalAction, default=True,
+                        help="section 4 (the draft model and the EAGLE-3 head)")
     parser.add_argument("--draft-shape", default="llama-3.2-1b",
                         help="the draft model's shape (section 4; with --tiny the tiny model itself); none: skip it")
     add_out_argument(parser)
@@ -304,8 +306,9 @@ def main() -> None:
     del engine
     cleanup_dist_env_and_memory()
 
-    engine = make_engine(path, args, {"method": "forced", "num_speculative_tokens": MAX_K,
-                                      "disable_by_batch_size": args.disable_by_batch_size})
+    # Batch 1 and the larger batch speculate at every step; workload A on an engine that stops
+    # speculating while more than --disable-by-batch-size requests run.
+    engine = make_engine(path, args, {"method": "forced", "num_speculative_tokens": MAX_K})
     ForcedProposer.k, ForcedProposer.accuracy = 1, 1.0
     run(engine, single, [8])
     rows = []
@@ -329,20 +332,27 @@ def main() -> None:
             if length <= k + 1:
                 measure(engine, "batch 1", k, length)
     measure(engine, f"batch {args.batch}", 4, 3.0)
+    engine.shutdown()
+    del engine
+    cleanup_dist_env_and_memory()
+    engine = make_engine(path, args, {"method": "forced", "num_speculative_tokens": MAX_K,
+                                      "disable_by_batch_size": args.disable_by_batch_size})
+    run(engine, single, [8])
     measure(engine, "workload A", 4, 3.0)
     engine.shutdown()
     del engine
     cleanup_dist_env_and_memory()
 
     draft_rows = []
-    if args.draft_shape != "none":
+    if args.model_proposers and args.draft_shape != "none":
         draft = path if args.tiny else random_checkpoint(args.draft_shape, Path(args.root))
         args.draft_shape = "tiny (the target itself)" if args.tiny else args.draft_shape
         draft_rows += measure_proposer(path, {"method": "draft_model", "model": str(draft)}, args, workloads, base,
                                        rows)
         cleanup_dist_env_and_memory()
-    head = random_eagle3_head(path, draft_vocab=100 if args.tiny else 32000)
-    draft_rows += measure_proposer(path, {"method": "eagle3", "model": str(head)}, args, workloads, base, rows)
+    if args.model_proposers:
+        head = random_eagle3_head(path, draft_vocab=100 if args.tiny else 32000)
+        draft_rows += measure_proposer(path, {"method": "eagle3", "model": str(head)}, args, workloads, base, rows)
 
     cost = {"ngram_lookup_256x1024_s": ngram_cost()}
     payload = {"benchmark": "spec_decode", "shape": shape, "device": device_name(), "commit": commit(), "date": now(),
