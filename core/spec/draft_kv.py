@@ -44,18 +44,16 @@ class DraftKV:
         token each: step j's positions (``first + j``, or a request's last position with room
         where its blocks end sooner: scratch it writes over) and its attention metadata. Built on
         the host for all steps at once, one copy to the device."""
-        rows = self.rows[index]
-        size, num = self.block_size, len(index)
+        rows, num = self.rows[index], len(index)
         last = first + self.room(first)[index] - 1
         positions = np.minimum(first[None, :] + np.arange(num_steps)[:, None], last[None, :])  # [steps, n]
-        table = self.input_batch.block_table  # [groups, rows, columns]
-        slots = table[:, rows[None, :], positions // size] * size + positions % size  # [groups, steps, n]
+        slots = self.input_batch.slot_mapping(rows[None, :], positions, self.block_size)  # [groups, steps, n]
         query_start = np.arange(num + 1, dtype=np.int64)
         parts = [positions.ravel(), slots.transpose(1, 0, 2).ravel().astype(np.int64), rows, query_start]
         flat = to_device_async(torch.from_numpy(np.concatenate(parts)), self.device)
         positions_t, slots_t, rows_t, query_start_t = flat.split([len(part) for part in parts])
         positions_t = positions_t.view(num_steps, num)
-        slots_t = slots_t.view(num_steps, table.shape[0], num)
+        slots_t = slots_t.view(num_steps, slots.shape[0], num)
         width = int(self.input_batch.num_blocks[rows].max())
         block_tables = self.input_batch.device_block_tables(rows_t, width).unbind()
         query_start_loc = query_start_t.to(torch.int32)
@@ -71,20 +69,18 @@ class DraftKV:
         ``index[i]`` (all within its blocks; a count may be 0): the flat positions and the
         metadata, causal within each run and over the request's positions before it."""
         rows = self.rows[index]
-        size = self.block_size
         query_start = np.zeros(len(index) + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start[1:])
         total = int(query_start[-1])
         positions = np.arange(total, dtype=np.int64) - np.repeat(query_start[:-1] - starts, counts)
-        table = self.input_batch.block_table
-        slots = table[:, np.repeat(rows, counts), positions // size] * size + positions % size  # [groups, total]
+        slots = self.input_batch.slot_mapping(np.repeat(rows, counts), positions, self.block_size)  # [groups, total]
         seq_lens = starts + counts
         parts = [positions, slots.ravel().astype(np.int64), rows, query_start, seq_lens]
         flat = to_device_async(torch.from_numpy(np.concatenate(parts)), self.device)
         positions_t, slots_t, rows_t, query_start_t, seq_lens_t = flat.split([len(part) for part in parts])
         width = int(self.input_batch.num_blocks[rows].max(initial=1))
         return positions_t, AttentionMetadata(
-            slot_mapping=slots_t.view(table.shape[0], total).unbind(),
+            slot_mapping=slots_t.view(slots.shape[0], total).unbind(),
             block_tables=self.input_batch.device_block_tables(rows_t, width).unbind(),
             seq_lens=seq_lens_t.to(torch.int32), query_start_loc=query_start_t.to(torch.int32),
             max_query_len=int(counts.max(initial=0)), max_seq_len=int(seq_lens.max(initial=0)), backend=self.backend)

@@ -119,6 +119,11 @@ class InputBatch:
         if updates.shape[1]:
             self.device_block_table.view(-1)[updates[0]] = updates[1].to(torch.int32)
 
+    def slot_mapping(self, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+        """Every group's flat cache slot of each position in the matching row's blocks (``rows``
+        and ``positions`` broadcast together): ``[groups, *their shape]``."""
+        return self.block_table[:, rows, positions // block_size] * block_size + positions % block_size
+
     def device_block_tables(self, rows: torch.Tensor, width: int) -> torch.Tensor:
         """``[groups, len(rows), width]`` int32 on the device: the rows' block tables (``rows`` on
         the device). The gathered planes are 16-byte aligned (the width is padded to 4 columns):

@@ -360,9 +360,7 @@ class ModelRunner:
         table_updates = input_batch.update_block_tables(batch.rows, scheduler_output.block_updates)
         width = int(input_batch.num_blocks[batch.rows].max())
         # [num_groups, num_tokens]: every group's slots in one gather from the persistent tables.
-        size = self.block_size
-        token_rows = np.repeat(batch.rows, counts)
-        slot_mapping = input_batch.block_table[:, token_rows, positions // size] * size + positions % size
+        slot_mapping = input_batch.slot_mapping(np.repeat(batch.rows, counts), positions, self.block_size)
         if slot_mapping.shape[0] > 1 and num_tokens % 2:
             # An even token count keeps every group's plane 16-byte aligned on the device, as the
             # first always is: Triton compiles a kernel variant per pointer alignment.
