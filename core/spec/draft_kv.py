@@ -11,7 +11,9 @@ them, and what is written there is scratch the next step writes over.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -19,6 +21,33 @@ import torch
 from hookllm.utils import to_device_async
 from hookllm.worker.forward_context import AttentionMetadata
 from hookllm.worker.input_batch import InputBatch
+
+
+@dataclass
+class GuessSteps:
+    """Some requests' one-token guessing steps, on the device (``DraftKV.decode_steps``)."""
+
+    positions: torch.Tensor  # [steps, requests] int64
+    slot_mapping: torch.Tensor  # [steps, groups, requests] int64
+    block_tables: torch.Tensor  # [groups, requests, width] int32
+    seq_lens: torch.Tensor  # [steps, requests] int32
+    max_seq_lens: list[int]  # per step
+    backend: ModuleType
+
+    @property
+    def num_steps(self) -> int:
+        return self.positions.shape[0]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, AttentionMetadata]]:
+        """Each step's positions and attention metadata."""
+        num = self.positions.shape[1]
+        query_start_loc = torch.arange(num + 1, dtype=torch.int32, device=self.positions.device)
+        block_tables = self.block_tables.unbind()
+        for step in range(self.num_steps):
+            yield self.positions[step], AttentionMetadata(
+                slot_mapping=self.slot_mapping[step].unbind(), block_tables=block_tables,
+                seq_lens=self.seq_lens[step], query_start_loc=query_start_loc, max_query_len=1,
+                max_seq_len=self.max_seq_lens[step], backend=self.backend)
 
 
 class DraftKV:
@@ -38,31 +67,23 @@ class DraftKV:
         a request that reached its length limit)."""
         return np.maximum(self.input_batch.num_blocks[self.rows] * self.block_size - first, 0)
 
-    def decode_steps(self, index: np.ndarray, first: np.ndarray,
-                     num_steps: int) -> list[tuple[torch.Tensor, AttentionMetadata]]:
+    def decode_steps(self, index: np.ndarray, first: np.ndarray, num_steps: int) -> GuessSteps:
         """For the requests ``index`` (each with room at ``first``), ``num_steps`` steps of one
-        token each: step j's positions (``first + j``, or a request's last position with room
-        where its blocks end sooner: scratch it writes over) and its attention metadata. Built on
-        the host for all steps at once, one copy to the device."""
+        token each: step j at positions ``first + j`` (or a request's last position with room
+        where its blocks end sooner: scratch it writes over). Built on the host for all steps at
+        once, one copy to the device."""
         rows, num = self.rows[index], len(index)
         last = first + self.room(first)[index] - 1
         positions = np.minimum(first[None, :] + np.arange(num_steps)[:, None], last[None, :])  # [steps, n]
         slots = self.input_batch.slot_mapping(rows[None, :], positions, self.block_size)  # [groups, steps, n]
-        query_start = np.arange(num + 1, dtype=np.int64)
-        parts = [positions.ravel(), slots.transpose(1, 0, 2).ravel().astype(np.int64), rows, query_start]
+        parts = [positions.ravel(), slots.transpose(1, 0, 2).ravel().astype(np.int64), rows]
         flat = to_device_async(torch.from_numpy(np.concatenate(parts)), self.device)
-        positions_t, slots_t, rows_t, query_start_t = flat.split([len(part) for part in parts])
+        positions_t, slots_t, rows_t = flat.split([len(part) for part in parts])
         positions_t = positions_t.view(num_steps, num)
-        slots_t = slots_t.view(num_steps, slots.shape[0], num)
         width = int(self.input_batch.num_blocks[rows].max())
-        block_tables = self.input_batch.device_block_tables(rows_t, width).unbind()
-        query_start_loc = query_start_t.to(torch.int32)
-        seq_lens = (positions_t + 1).to(torch.int32)
-        max_seq_lens = (positions.max(axis=1) + 1).tolist()
-        return [(positions_t[step], AttentionMetadata(
-            slot_mapping=slots_t[step].unbind(), block_tables=block_tables, seq_lens=seq_lens[step],
-            query_start_loc=query_start_loc, max_query_len=1, max_seq_len=max_seq_lens[step], backend=self.backend))
-            for step in range(num_steps)]
+        return GuessSteps(positions_t, slots_t.view(num_steps, slots.shape[0], num),
+                          self.input_batch.device_block_tables(rows_t, width), (positions_t + 1).to(torch.int32),
+                          (positions.max(axis=1) + 1).tolist(), self.backend)
 
     def runs(self, index: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> tuple[torch.Tensor, AttentionMetadata]:
         """One pass over ``counts[i]`` consecutive positions from ``starts[i]`` of each request

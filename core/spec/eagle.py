@@ -9,7 +9,8 @@ from the sequence's previous step (by persistent-batch row). The last position's
 the next step, or, for a request that samples, when proposing: its last emitted token joins the
 head at position L - 2 (L: the request's tokens) with the feature of the last position the target
 kept, then k - 1 more guessing steps each read the head's own output before its norm. Guesses
-are greedy over the head's draft vocabulary, mapped to the target's ids.
+are greedy over the head's draft vocabulary, mapped to the target's ids. On CUDA the k guessing
+steps replay one graph; the pass over a step's tokens runs eagerly.
 
 The target must keep its streams (:class:`hookllm.plugins.contract.SupportsAuxHiddenStates`:
 the native Llama family); the layers are the head's (its config, else 2, n / 2 and n - 3).
@@ -23,7 +24,7 @@ import torch
 from hookllm.config import text_config_of
 from hookllm.plugins.contract import SupportsAuxHiddenStates
 from hookllm.spec.proposer import ModelProposer, ProposalBatch, Proposals, StepTokens
-from hookllm.worker.forward_context import set_forward_context
+from hookllm.worker.forward_context import AttentionMetadata, set_forward_context
 
 HEAD_METHODS = ("aux_layer_ids", "fuse", "share_embedding", "to_target_ids")
 
@@ -84,28 +85,26 @@ class Eagle3Proposer(ModelProposer):
         self.row_request.update(zip(rows.tolist(), step.request_ids))
 
     def propose(self, batch: ProposalBatch) -> Proposals:
-        k, num = batch.num_speculative_tokens, len(batch.requests)
         start = batch.num_tokens - 2  # the last emitted token joins the head where the target's last kept one is
-        counts = np.minimum(batch.kv.room(start), k)
-        guesses = np.full((num, k), -1, dtype=np.int64)
-        guessing = np.flatnonzero(counts)
-        if not len(guessing) or self.step_features is None:
-            return guesses, np.zeros(num, dtype=np.int64)
-        steps = batch.kv.decode_steps(guessing, start[guessing], int(counts[guessing].max()))
-        kept_rows = batch.token_index[guessing] + batch.num_emitted[guessing] - 1
-        parts = [batch.token_ids[guessing, start[guessing] + 1], kept_rows, batch.kv.rows[guessing]]
+        counts, index, steps = self.guessing_steps(batch, start)
+        if steps is None or self.step_features is None:
+            return self.proposals(batch, np.zeros_like(counts), index[:0], None)
+        kept_rows = batch.token_index[index] + batch.num_emitted[index] - 1
+        parts = [batch.token_ids[index, start[index] + 1], kept_rows, batch.kv.rows[index]]
         flat = torch.from_numpy(np.concatenate(parts)).to(self.aux.device, non_blocking=True)
-        tokens, kept_t, rows_t = flat.split([len(guessing)] * 3)
+        tokens, kept_t, rows_t = flat.split([len(index)] * 3)
         features = self.step_features[kept_t]
         self.row_features[rows_t] = features  # the feature the next step's pass starts from
-        drafted = []
-        for positions, metadata in steps:
-            with set_forward_context(metadata):
-                normed, features = self.model(tokens, positions, features)
-            tokens = self.model.to_target_ids(self.model.compute_logits(normed).argmax(dim=-1))
-            drafted.append(tokens)
-        guesses[guessing, :len(steps)] = torch.stack(drafted, dim=1).cpu().numpy()
-        return guesses, counts
+        return self.proposals(batch, counts, index, self.chain_guesses(tokens, features, steps))
+
+    def guess(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+              metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        with set_forward_context(metadata):
+            normed, features = self.model(tokens, positions, features)
+        return self.model.to_target_ids(self.model.compute_logits(normed).argmax(dim=-1)), features
+
+    def guess_state(self, num_requests: int) -> torch.Tensor:
+        return self.row_features.new_empty(num_requests, self.row_features.shape[1])
 
     def _grow_rows(self, num_rows: int) -> None:
         if num_rows > self.row_features.shape[0]:

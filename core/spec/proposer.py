@@ -25,7 +25,7 @@ scheduler keeps ``num_speculative_tokens`` slots ahead.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -37,8 +37,10 @@ if TYPE_CHECKING:
 
     from hookllm.plugins.context import EngineContext
     from hookllm.spec.config import SpeculativeConfig
-    from hookllm.spec.draft_kv import DraftKV
+    from hookllm.spec.draft_kv import DraftKV, GuessSteps
+    from hookllm.spec.guess_graphs import GuessGraphs
     from hookllm.worker.batch import CachedRequestState
+    from hookllm.worker.cuda_graph import CudaGraphRunner
     from hookllm.worker.forward_context import AttentionMetadata
 
 
@@ -105,9 +107,11 @@ class ModelProposer:
     # whatever its own config's max_position_embeddings.
     head_of_target: bool = False
     # True when its model has the target's forward (ids, positions): on CUDA the engine then
-    # captures it in decode graphs (``graphs``, a CudaGraphRunner) for its one-token steps.
-    captures_decode_graphs: bool = False
-    graphs: Any = None
+    # captures it in graphs of the target's step shapes (``step_graphs``) for ``follow`` to replay.
+    captures_step_graphs: bool = False
+    step_graphs: CudaGraphRunner | None = None
+    # On CUDA, the engine's graphs of ``guess`` chained k times (``chain_guesses`` replays them).
+    guess_graphs: GuessGraphs | None = None
 
     def __init__(self, config: SpeculativeConfig, context: EngineContext, model: nn.Module, target: nn.Module) -> None:
         self.config = config
@@ -122,6 +126,50 @@ class ModelProposer:
 
     def propose(self, batch: ProposalBatch) -> Proposals:
         raise NotImplementedError
+
+    def guess(self, tokens: torch.Tensor, state: torch.Tensor | None, positions: torch.Tensor,
+              metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One guessing step: each request's next guess after ``tokens`` (at ``positions``), from
+        the ``state`` the step before returned (None before the first where ``guess_state`` is
+        None); returns both for the next step. Device work only: the engine captures it in a graph."""
+        raise NotImplementedError
+
+    def guess_state(self, num_requests: int) -> torch.Tensor | None:
+        """A tensor of the shape, dtype and device of ``guess``'s state for that many requests,
+        or None if it keeps none."""
+        return None
+
+    def guessing_steps(self, batch: ProposalBatch,
+                       first: np.ndarray) -> tuple[np.ndarray, np.ndarray, GuessSteps | None]:
+        """How many tokens each request may guess (up to k, as its blocks have room from position
+        ``first`` on), the requests that may guess any, and their one-token steps from ``first``:
+        k steps where graphs are captured, else as many as any of them takes."""
+        counts = np.minimum(batch.kv.room(first), batch.num_speculative_tokens)
+        index = np.flatnonzero(counts)
+        if not len(index):
+            return counts, index, None
+        num_steps = batch.num_speculative_tokens if self.guess_graphs is not None else int(counts[index].max())
+        return counts, index, batch.kv.decode_steps(index, first[index], num_steps)
+
+    def chain_guesses(self, tokens: torch.Tensor, state: torch.Tensor | None, steps: GuessSteps) -> torch.Tensor:
+        """``[requests, steps]`` guesses: ``guess`` over each of ``steps`` in turn, from ``tokens``
+        and ``state`` (one replay where graphs are captured)."""
+        if self.guess_graphs is not None and self.guess_graphs.can_run(steps):
+            return self.guess_graphs.run(tokens, state, steps)
+        guessed = []
+        for positions, metadata in steps:
+            tokens, state = self.guess(tokens, state, positions, metadata)
+            guessed.append(tokens)
+        return torch.stack(guessed, dim=1)
+
+    @staticmethod
+    def proposals(batch: ProposalBatch, counts: np.ndarray, index: np.ndarray,
+                  guessed: torch.Tensor | None) -> Proposals:
+        """The answer to ``propose``: the requests ``index`` guessed ``guessed`` (``counts`` of each valid)."""
+        guesses = np.full((len(batch.requests), batch.num_speculative_tokens), -1, dtype=np.int64)
+        if guessed is not None:
+            guesses[index, :guessed.shape[1]] = guessed.cpu().numpy()
+        return guesses, counts
 
 
 class SpecProposers:

@@ -53,7 +53,7 @@ class CudaGraphRunner:
     def __init__(self, model: nn.Module, hidden_size: int, dtype: torch.dtype, device: torch.device,
                  max_batch_size: int, max_blocks_per_seq: int, max_model_len: int, backend: ModuleType,
                  max_mixed_tokens: int = 0, max_num_seqs: int = 0, num_kv_cache_groups: int = 1,
-                 lora_mapping: LoRAMapping | None = None):
+                 lora_mapping: LoRAMapping | None = None, pool: tuple | None = None):
         self.model = model
         self.lora_mapping = lora_mapping
         self.max_model_len = max_model_len
@@ -76,6 +76,8 @@ class CudaGraphRunner:
         # Keyed by (bucket, whether the LoRA kernels run).
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.mixed_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        # The graphs' memory pool: another runner's (``pool``) or this one's first graph's.
+        self.pool = pool
         self._capture_all()
 
     def _decode_metadata(self, bs: int) -> AttentionMetadata:
@@ -96,7 +98,6 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = None
         # Largest first, so smaller graphs reuse its memory pool; the mixed graphs hold the
         # largest activations, so they go first.
         captures = ([(tokens, self._mixed_metadata(tokens), self.mixed_graphs) for tokens in reversed(self.mixed_buckets)]
@@ -109,9 +110,9 @@ class CudaGraphRunner:
                 with set_forward_context(metadata):
                     self.model(self.input_ids[:n], self.positions[:n])  # warm-up: compile and autotune
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
+                    with torch.cuda.graph(graph, pool=self.pool):
                         self.hidden_states[:n] = self.model(self.input_ids[:n], self.positions[:n])
-                pool = graph.pool() if pool is None else pool
+                self.pool = graph.pool() if self.pool is None else self.pool
                 graphs[n, with_lora] = graph
         torch.cuda.synchronize()
 
@@ -122,6 +123,18 @@ class CudaGraphRunner:
         if max_query_len == 1:
             return num_seqs <= self.buckets[-1]
         return bool(self.mixed_buckets) and num_tokens <= self.mixed_buckets[-1] and num_seqs <= self.max_num_seqs
+
+    def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 metadata: AttentionMetadata) -> torch.Tensor | None:
+        """Hidden states of a step given by its attention metadata, through a graph; None where
+        no graph has its shape."""
+        block_tables = metadata.block_tables
+        if not self.can_run(input_ids.shape[0], metadata.seq_lens.shape[0], metadata.max_query_len,
+                            block_tables[0].shape[1]):
+            return None
+        return self.run(input_ids, positions, torch.stack(tuple(metadata.slot_mapping)),
+                        torch.stack(tuple(block_tables)), metadata.seq_lens, metadata.query_start_loc,
+                        metadata.max_query_len)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,

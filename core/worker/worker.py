@@ -33,6 +33,7 @@ from hookllm.worker.pooler import Pooler
 from hookllm.worker.model_runner import ModelRunner, StepOutput
 from hookllm.worker.pipeline_stage import PipelineStage
 from hookllm.plugins.components import ComponentKind
+from hookllm.spec.guess_graphs import GuessGraphs
 from hookllm.spec.proposer import ModelProposer, Proposer
 from hookllm.spec.verify import SpecDecoder
 from hookllm.pooling_params import POOLING_TYPES
@@ -227,13 +228,8 @@ class Worker:
                 max_num_seqs=config.max_num_seqs, num_kv_cache_groups=self.kv_cache_groups.num_groups,
                 lora_mapping=self.lora.mapping if self.lora is not None else None,
             )
-            if isinstance(proposer, ModelProposer) and proposer.captures_decode_graphs:
-                proposer.graphs = CudaGraphRunner(
-                    self.draft_model, text_config_of(model_config.spec_draft.hf_config).hidden_size, self.dtype,
-                    self.device, max_batch_size=min(config.max_num_seqs, config.max_cuda_graph_batch_size),
-                    max_blocks_per_seq=-(-model_config.max_model_len // config.block_size),
-                    max_model_len=model_config.max_model_len, backend=self.attention_backend,
-                    num_kv_cache_groups=self.kv_cache_groups.num_groups)
+            if isinstance(proposer, ModelProposer):
+                self._capture_proposer_graphs(proposer, self.runner.cuda_graphs)
             phase("cuda_graphs")
         # Compiling on first use would land in the first requests' latency (hookllm.worker.warmup).
         if config.warmup and self.device.type == "cuda" and self.runner.stage is None:
@@ -242,6 +238,20 @@ class Worker:
         # The engine's start-up summary reports these (hookllm.engine.llm_engine); under tensor
         # parallelism every rank has its own.
         logger.debug("start-up: %s", ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_seconds.items()))
+
+    def _capture_proposer_graphs(self, proposer: ModelProposer, target: CudaGraphRunner) -> None:
+        """A model proposer's graphs, in the target's graph memory pool: its guessing steps, and
+        where its model has the target's forward, its passes over the steps' tokens."""
+        config = self.config
+        if proposer.captures_step_graphs:
+            proposer.step_graphs = CudaGraphRunner(
+                self.draft_model, text_config_of(self.model_config.spec_draft.hf_config).hidden_size, self.dtype,
+                self.device, max_batch_size=target.buckets[-1], max_blocks_per_seq=target.block_tables.shape[2],
+                max_model_len=target.max_model_len, backend=self.attention_backend,
+                max_mixed_tokens=target.mixed_buckets[-1] if target.mixed_buckets else 0,
+                max_num_seqs=config.max_num_seqs, num_kv_cache_groups=self.kv_cache_groups.num_groups,
+                pool=target.pool)
+        proposer.guess_graphs = GuessGraphs(proposer, config.speculative_config.num_speculative_tokens, target)
 
     def _make_proposer(self) -> Proposer:
         """``speculative_config``'s proposer: ``cls(config, context)``, a model proposer's with its

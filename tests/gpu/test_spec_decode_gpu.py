@@ -36,16 +36,17 @@ def test_guessed_tokens_equal_tokens_without_speculation_under_cuda_graphs(small
 
 
 def test_the_target_as_its_own_draft_model_under_cuda_graphs(small_llama):
-    """``draft_model`` with the target itself as the draft: the target's steps and the draft's
-    guessing steps replay CUDA graphs (the draft's own), its pass over each step runs eagerly;
-    in float32 nearly every guess holds (one-token and several-token steps may round apart at a
-    near tie) and tokens are exact."""
+    """``draft_model`` with the target itself as the draft: the target's steps, the draft's pass
+    over each step and its guessing steps replay CUDA graphs (the draft's own); in float32
+    nearly every guess holds (one-token and several-token steps may round apart at a near tie)
+    and tokens are exact."""
     params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0)
     engine = make_engine(small_llama, None, **OPTIONS)
     expected, _ = generate(engine, PROMPTS, params)
     engine.shutdown()
     engine = make_engine(small_llama, {"model": str(small_llama), "num_speculative_tokens": 4}, **OPTIONS)
-    assert engine.engine_core.executor.runner.spec.proposer.graphs is not None
+    proposer = engine.engine_core.executor.runner.spec.proposer
+    assert proposer.step_graphs is not None and proposer.guess_graphs is not None
     outputs, _ = generate(engine, PROMPTS, params)
     drafted, accepted = spec_counts(engine)
     engine.shutdown()
