@@ -12,6 +12,7 @@ whatever the requests' sampling: verification keeps what the target itself sampl
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from hookllm.spec.proposer import ModelProposer, ProposalBatch, Proposals, StepTokens
 from hookllm.utils import to_device_async
@@ -19,12 +20,13 @@ from hookllm.worker.forward_context import AttentionMetadata, set_forward_contex
 
 
 class DraftModelProposer(ModelProposer):
-    captures_step_graphs = True
-
     def follow(self, step: StepTokens) -> None:
         if self.step_graphs is None or self.step_graphs.run_step(step.input_ids, step.positions, step.metadata) is None:
             with set_forward_context(step.metadata):
                 self.model(step.input_ids, step.positions, None)
+
+    def step_model(self) -> nn.Module:
+        return self.model
 
     def propose(self, batch: ProposalBatch) -> Proposals:
         last = batch.num_tokens - 1  # each request's last token: computed by neither model yet

@@ -10,7 +10,7 @@ the next step, or, for a request that samples, when proposing: its last emitted 
 head at position L - 2 (L: the request's tokens) with the feature of the last position the target
 kept, then k - 1 more guessing steps each read the head's own output before its norm. Guesses
 are greedy over the head's draft vocabulary, mapped to the target's ids. On CUDA the k guessing
-steps replay one graph; the pass over a step's tokens runs eagerly.
+steps replay one graph, and the pass over a step's tokens graphs of the target's step shapes.
 
 The target must keep its streams (:class:`hookllm.plugins.contract.SupportsAuxHiddenStates`:
 the native Llama family); the layers are the head's (its config, else 2, n / 2 and n - 3).
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import nn
 
 from hookllm.config import text_config_of
 from hookllm.plugins.contract import SupportsAuxHiddenStates
@@ -54,35 +55,41 @@ class Eagle3Proposer(ModelProposer):
         # the request it belongs to (a row taken by another request has none).
         self.row_features = torch.zeros(0, model.config.hidden_size, dtype=self.aux.dtype, device=self.aux.device)
         self.row_request: dict[int, str] = {}
+        # The input features of its pass over a step's tokens (a buffer its graphs read).
+        self.head_features = self.aux.new_zeros(self.aux.shape[0], model.config.hidden_size)
 
     def follow(self, step: StepTokens) -> None:
         num_tokens = step.input_ids.shape[0]
         features = self.step_features = self.model.fuse(self.aux[:num_tokens])
         rows = step.kv.rows
         self._grow_rows(int(rows.max()) + 1)
-        # A sequence continuing its row's request starts the head one position back, with the kept feature.
+        # The head's pass has the step's shape, each sequence's positions moved back by one where
+        # it continues its row's request (the first with the feature kept from its last step);
+        # elsewhere the first position has nothing before it, and the last reads its own token
+        # (the next is not sampled yet): scratch, written over when the request goes on.
         continues = np.fromiter((self.row_request.get(row) == request_id
                                  for row, request_id in zip(rows.tolist(), step.request_ids)),
                                 dtype=bool, count=len(rows)) & (step.num_computed > 0)
         firsts, ends = step.query_start[:-1], step.query_start[1:]
-        counts = ends - firsts - ~continues
-        starts = step.num_computed - continues
-        run_starts = np.cumsum(counts) - counts
-        token_index = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(firsts + ~continues - run_starts, counts)
-        kept = run_starts[continues]  # where a kept feature goes in the run
-        parts = [token_index, kept, rows[continues], rows, ends - 1]
-        device = self.aux.device
-        flat = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
-        token_t, kept_t, kept_rows_t, rows_t, last_t = flat.split([len(part) for part in parts])
-        if len(token_index):
-            inputs = features[(token_t - 1).clamp(min=0)]
-            inputs[kept_t] = self.row_features[kept_rows_t]
-            running = np.flatnonzero(counts)  # a one-token first chunk gives the head nothing yet
-            positions, metadata = step.kv.runs(running, starts[running], counts[running])
+        counts = ends - firsts
+        shift = np.repeat(continues, counts).astype(np.int64)
+        index = np.arange(num_tokens, dtype=np.int64)
+        parts = [np.minimum(index + 1 - shift, np.repeat(ends - 1, counts)), np.maximum(index - shift, 0),
+                 firsts[continues], rows[continues], rows, ends - 1]
+        flat = torch.from_numpy(np.concatenate(parts)).to(self.aux.device, non_blocking=True)
+        ids_t, features_t, kept_t, kept_rows_t, rows_t, last_t = flat.split([len(part) for part in parts])
+        torch.index_select(features, 0, features_t, out=self.head_features[:num_tokens])
+        self.head_features[kept_t] = self.row_features[kept_rows_t]
+        input_ids = step.input_ids[ids_t]
+        positions, metadata = step.kv.runs(np.arange(len(rows)), step.num_computed - continues, counts)
+        if self.step_graphs is None or self.step_graphs.run_step(input_ids, positions, metadata) is None:
             with set_forward_context(metadata):
-                self.model(step.input_ids[token_t], positions, inputs)
+                self.model(input_ids, positions, self.head_features[:num_tokens])
         self.row_features[rows_t] = features[last_t]
         self.row_request.update(zip(rows.tolist(), step.request_ids))
+
+    def step_model(self) -> nn.Module:
+        return _HeadOverFeatures(self.model, self.head_features)
 
     def propose(self, batch: ProposalBatch) -> Proposals:
         start = batch.num_tokens - 2  # the last emitted token joins the head where the target's last kept one is
@@ -112,3 +119,16 @@ class Eagle3Proposer(ModelProposer):
                                                 self.row_features.shape[1])
             grown[:self.row_features.shape[0]] = self.row_features
             self.row_features = grown
+
+
+class _HeadOverFeatures(nn.Module):
+    """The head as the engine's graphs call a model, ``(input_ids, positions)``: its features
+    come from ``features`` (filled before each pass)."""
+
+    def __init__(self, head: nn.Module, features: torch.Tensor):
+        super().__init__()
+        self.head = head
+        self.features = features
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.head(input_ids, positions, self.features[:input_ids.shape[0]])[0]

@@ -106,9 +106,7 @@ class ModelProposer:
     # True for a head over the target's features (EAGLE): it serves the target's positions,
     # whatever its own config's max_position_embeddings.
     head_of_target: bool = False
-    # True when its model has the target's forward (ids, positions): on CUDA the engine then
-    # captures it in graphs of the target's step shapes (``step_graphs``) for ``follow`` to replay.
-    captures_step_graphs: bool = False
+    # On CUDA, the engine's graphs of ``step_model()`` at the target's step shapes, for ``follow``.
     step_graphs: CudaGraphRunner | None = None
     # On CUDA, the engine's graphs of ``guess`` chained k times (``chain_guesses`` replays them).
     guess_graphs: GuessGraphs | None = None
@@ -126,6 +124,12 @@ class ModelProposer:
 
     def propose(self, batch: ProposalBatch) -> Proposals:
         raise NotImplementedError
+
+    def step_model(self) -> nn.Module | None:
+        """What ``follow`` runs over a step's tokens, as the engine's graphs call a model
+        (``forward(input_ids, positions)``, the step's shape): the engine captures it in
+        ``step_graphs``. None (the default): no graphs."""
+        return None
 
     def guess(self, tokens: torch.Tensor, state: torch.Tensor | None, positions: torch.Tensor,
               metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:

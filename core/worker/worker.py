@@ -240,12 +240,13 @@ class Worker:
         logger.debug("start-up: %s", ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_seconds.items()))
 
     def _capture_proposer_graphs(self, proposer: ModelProposer, target: CudaGraphRunner) -> None:
-        """A model proposer's graphs, in the target's graph memory pool: its guessing steps, and
-        where its model has the target's forward, its passes over the steps' tokens."""
+        """A model proposer's graphs, in the target's graph memory pool: its guessing steps and
+        (where it has a ``step_model``) its passes over the steps' tokens."""
         config = self.config
-        if proposer.captures_step_graphs:
+        step_model = proposer.step_model()
+        if step_model is not None:
             proposer.step_graphs = CudaGraphRunner(
-                self.draft_model, text_config_of(self.model_config.spec_draft.hf_config).hidden_size, self.dtype,
+                step_model, text_config_of(self.model_config.spec_draft.hf_config).hidden_size, self.dtype,
                 self.device, max_batch_size=target.buckets[-1], max_blocks_per_seq=target.block_tables.shape[2],
                 max_model_len=target.max_model_len, backend=self.attention_backend,
                 max_mixed_tokens=target.mixed_buckets[-1] if target.mixed_buckets else 0,
