@@ -16,6 +16,11 @@ def test_token_buckets_pad_at_most_half_and_end_at_the_limit():
     assert token_buckets(0) == []
 
 
+def test_token_buckets_add_the_exact_sizes_of_verification_steps_below_the_limit():
+    assert token_buckets(200, [5 * b for b in (1, 2, 4, 8, 16, 32, 48)]) == [
+        5, 10, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 200]
+
+
 def test_steps_with_prefill_of_up_to_8192_tokens_run_as_graphs_by_default():
     assert EngineConfig(model="m").max_cuda_graph_tokens == 8192
     with pytest.raises(ValueError, match="max_cuda_graph_tokens must be >= 0, got -1"):

@@ -7,7 +7,8 @@ Inputs live in static buffers that each replay reads.
 - **Decode steps** (one token per sequence): one graph per batch-size bucket; a batch is padded
   up to its bucket (padding rows write no KV: slot -1).
 - **Steps with prefill** (``max_mixed_tokens`` > 0): one graph per token-count bucket, every one
-  with ``max_num_seqs`` sequences. Tokens are padded up to the bucket (slot -1, owned by no
+  with ``max_num_seqs`` sequences; under speculative decoding also one per verification step of
+  k + 1 tokens for each request of a decode bucket. Tokens are padded up to the bucket (slot -1, owned by no
   sequence: their rows are never attended to and never read back) and sequences up to
   ``max_num_seqs`` (no query tokens, no context: their attention programs return at once).
   Attention is captured for the longest query, so its grid depends only on the bucket's token
@@ -25,6 +26,7 @@ replayed by steps where no row has an adapter, so those cost what they cost with
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -39,10 +41,11 @@ def batch_size_buckets(max_batch_size: int) -> list[int]:
     return sorted(set(sizes + [max_batch_size]))
 
 
-def token_buckets(max_tokens: int) -> list[int]:
+def token_buckets(max_tokens: int, exact: Iterable[int] = ()) -> list[int]:
     """16, 24, 32, 48, 64, ...: powers of two and the midpoints between them (at most half of a
-    bucket is padding), up to ``max_tokens``, which is the last; empty for 0."""
-    sizes, size = [], 16
+    bucket is padding), and the sizes ``exact`` (steps of a shape known ahead), up to
+    ``max_tokens``, which is the last; empty for 0."""
+    sizes, size = list(exact), 16
     while size < max_tokens:
         sizes += [size, size * 3 // 2]
         size *= 2
@@ -53,13 +56,14 @@ class CudaGraphRunner:
     def __init__(self, model: nn.Module, hidden_size: int, dtype: torch.dtype, device: torch.device,
                  max_batch_size: int, max_blocks_per_seq: int, max_model_len: int, backend: ModuleType,
                  max_mixed_tokens: int = 0, max_num_seqs: int = 0, num_kv_cache_groups: int = 1,
-                 lora_mapping: LoRAMapping | None = None, pool: tuple | None = None):
+                 lora_mapping: LoRAMapping | None = None, pool: tuple | None = None, verify_tokens_per_seq: int = 0):
         self.model = model
         self.lora_mapping = lora_mapping
         self.max_model_len = max_model_len
         self.backend = backend
         self.buckets = batch_size_buckets(max_batch_size)
-        self.mixed_buckets = token_buckets(max_mixed_tokens)
+        # Speculative decoding's verification steps (k + 1 tokens a request) get buckets of their own.
+        self.mixed_buckets = token_buckets(max_mixed_tokens, [verify_tokens_per_seq * b for b in self.buckets])
         self.max_num_seqs = max_num_seqs
         tokens = max(max_batch_size, max_mixed_tokens)
         seqs = max(max_batch_size, max_num_seqs)

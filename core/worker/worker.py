@@ -227,6 +227,8 @@ class Worker:
                 max_mixed_tokens=min(config.max_cuda_graph_tokens, config.max_num_batched_tokens),
                 max_num_seqs=config.max_num_seqs, num_kv_cache_groups=self.kv_cache_groups.num_groups,
                 lora_mapping=self.lora.mapping if self.lora is not None else None,
+                verify_tokens_per_seq=(config.speculative_config.num_speculative_tokens + 1
+                                       if config.speculative_config is not None else 0),
             )
             if isinstance(proposer, ModelProposer):
                 self._capture_proposer_graphs(proposer, self.runner.cuda_graphs)
@@ -251,7 +253,7 @@ class Worker:
                 max_model_len=target.max_model_len, backend=self.attention_backend,
                 max_mixed_tokens=target.mixed_buckets[-1] if target.mixed_buckets else 0,
                 max_num_seqs=config.max_num_seqs, num_kv_cache_groups=self.kv_cache_groups.num_groups,
-                pool=target.pool)
+                pool=target.pool, verify_tokens_per_seq=config.speculative_config.num_speculative_tokens + 1)
         proposer.guess_graphs = GuessGraphs(proposer, config.speculative_config.num_speculative_tokens, target)
 
     def _make_proposer(self) -> Proposer:
