@@ -17,8 +17,9 @@ Runs, in one process on one GPU:
    ``--output-len``), batch 64 (64 such requests), workload A;
 2. an engine with ``speculative_config`` ``{"method": "forced", "num_speculative_tokens": 6}``:
    batch 1 for every k in ``--ks`` and mean length in ``--lengths`` (the proposer gives k
-   guesses), batch 64 at k=4 and the length 3.0; then one with ``"disable_by_batch_size":
-   --disable-by-batch-size`` too: workload A (its tail, once few requests run, speculates);
+   guesses); one of ``"num_speculative_tokens": 4``: batch 64 at the length 3.0; then one with
+   ``"disable_by_batch_size": --disable-by-batch-size`` too: workload A at k=4 (its tail, once few
+   requests run, speculates);
 3. the proposers' own cost per step: the n-gram lookup for 256 requests of 1,024 tokens each;
 4. (unless ``--no-model-proposers``) ``draft_model`` with a random draft of ``--draft-shape``
    and ``eagle3`` with a random EAGLE-3 head of the target's shape (saved in the published
@@ -331,17 +332,18 @@ def main() -> None:
         for length in map(float, args.lengths.split(",")):
             if length <= k + 1:
                 measure(engine, "batch 1", k, length)
-    measure(engine, f"batch {args.batch}", 4, 3.0)
     engine.shutdown()
     del engine
     cleanup_dist_env_and_memory()
-    engine = make_engine(path, args, {"method": "forced", "num_speculative_tokens": MAX_K,
-                                      "disable_by_batch_size": args.disable_by_batch_size})
-    run(engine, single, [8])
-    measure(engine, "workload A", 4, 3.0)
-    engine.shutdown()
-    del engine
-    cleanup_dist_env_and_memory()
+    # The larger batches on engines of k = 4, whose CUDA graphs have its verification steps' sizes.
+    disabled = {"disable_by_batch_size": args.disable_by_batch_size}
+    for name, limit in ((f"batch {args.batch}", {}), ("workload A", disabled)):
+        engine = make_engine(path, args, {"method": "forced", "num_speculative_tokens": 4, **limit})
+        run(engine, single, [8])
+        measure(engine, name, 4, 3.0)
+        engine.shutdown()
+        del engine
+        cleanup_dist_env_and_memory()
 
     draft_rows = []
     if args.model_proposers and args.draft_shape != "none":
