@@ -4,7 +4,8 @@ steps, each one token per request, so a proposal is one replay.
 Guessing k tokens is k passes of one token per request, each as small as a decode step and
 dependent on the last; launched from Python, their kernels cost more than they compute (an
 EAGLE-3 head's four steps took 7.8 ms eagerly on an H100, a fraction of it on the GPU). The
-graph of a bucket chains the k steps of the proposer's ``guess`` with their argmaxes, reading
+graph of a bucket (up to the one that holds ``disable_by_batch_size`` requests: larger steps do
+not speculate) chains the k steps of the proposer's ``guess`` with their argmaxes, reading
 every step's positions, slots and context lengths from static buffers
 (:class:`hookllm.spec.draft_kv.GuessSteps`). Padding rows write no K/V (slot -1). The graphs
 share the target's graph memory pool: the engine replays one graph at a time, and each keeps
@@ -26,13 +27,14 @@ if TYPE_CHECKING:
 
 
 class GuessGraphs:
-    """``proposer.guess`` chained ``num_steps`` times, captured for each of ``target``'s
-    decode batch buckets (and block-table width, context limit, backend and memory pool)."""
+    """``proposer.guess`` chained ``num_steps`` times, captured for each of ``batch_buckets``
+    (those of ``target`` where steps speculate), with ``target``'s block-table width, context
+    limit, backend and memory pool."""
 
-    def __init__(self, proposer: ModelProposer, num_steps: int, target: CudaGraphRunner):
+    def __init__(self, proposer: ModelProposer, num_steps: int, target: CudaGraphRunner, batch_buckets: list[int]):
         self.proposer = proposer
         self.num_steps = num_steps
-        self.buckets = target.buckets
+        self.buckets = batch_buckets
         self.max_model_len = target.max_model_len
         self.backend = target.backend
         groups, batch, max_blocks = target.block_tables.shape

@@ -7,12 +7,13 @@ Inputs live in static buffers that each replay reads.
 - **Decode steps** (one token per sequence): one graph per batch-size bucket; a batch is padded
   up to its bucket (padding rows write no KV: slot -1).
 - **Steps with prefill** (``max_mixed_tokens`` > 0): one graph per token-count bucket, every one
-  with ``max_num_seqs`` sequences; under speculative decoding also one per verification step of
-  k + 1 tokens for each request of a decode bucket. Tokens are padded up to the bucket (slot -1, owned by no
-  sequence: their rows are never attended to and never read back) and sequences up to
-  ``max_num_seqs`` (no query tokens, no context: their attention programs return at once).
-  Attention is captured for the longest query, so its grid depends only on the bucket's token
-  and sequence counts, and the kernel reads the real layout from ``query_start_loc``.
+  with ``max_num_seqs`` sequences, and one per size in ``exact_token_buckets`` (under
+  speculative decoding, verification steps of k + 1 tokens for each request of a decode
+  bucket). Tokens are padded up to the bucket (slot -1, owned by no sequence: their rows are
+  never attended to and never read back) and sequences up to ``max_num_seqs`` (no query
+  tokens, no context: their attention programs return at once). Attention is captured for the
+  longest query, so its grid depends only on the bucket's token and sequence counts, and the
+  kernel reads the real layout from ``query_start_loc``.
 
 Attention is captured with ``max_seq_len = max_model_len``, so one graph serves every context
 length (the kernels read the real lengths from ``seq_lens``). The slot mapping and block tables
@@ -41,6 +42,15 @@ def batch_size_buckets(max_batch_size: int) -> list[int]:
     return sorted(set(sizes + [max_batch_size]))
 
 
+def speculating_buckets(max_batch_size: int, disable_by_batch_size: int | None) -> list[int]:
+    """The decode batch buckets of steps that may speculate: all of them, or with
+    ``disable_by_batch_size`` (no speculation above it) up to the one that holds that many."""
+    buckets = batch_size_buckets(max_batch_size)
+    if disable_by_batch_size is None or disable_by_batch_size >= buckets[-1]:
+        return buckets
+    return [b for b in buckets if b < disable_by_batch_size] + [next(b for b in buckets if b >= disable_by_batch_size)]
+
+
 def token_buckets(max_tokens: int, exact: Iterable[int] = ()) -> list[int]:
     """16, 24, 32, 48, 64, ...: powers of two and the midpoints between them (at most half of a
     bucket is padding), and the sizes ``exact`` (steps of a shape known ahead), up to
@@ -56,14 +66,14 @@ class CudaGraphRunner:
     def __init__(self, model: nn.Module, hidden_size: int, dtype: torch.dtype, device: torch.device,
                  max_batch_size: int, max_blocks_per_seq: int, max_model_len: int, backend: ModuleType,
                  max_mixed_tokens: int = 0, max_num_seqs: int = 0, num_kv_cache_groups: int = 1,
-                 lora_mapping: LoRAMapping | None = None, pool: tuple | None = None, verify_tokens_per_seq: int = 0):
+                 lora_mapping: LoRAMapping | None = None, pool: tuple | None = None,
+                 exact_token_buckets: Iterable[int] = ()):
         self.model = model
         self.lora_mapping = lora_mapping
         self.max_model_len = max_model_len
         self.backend = backend
         self.buckets = batch_size_buckets(max_batch_size)
-        # Speculative decoding's verification steps (k + 1 tokens a request) get buckets of their own.
-        self.mixed_buckets = token_buckets(max_mixed_tokens, [verify_tokens_per_seq * b for b in self.buckets])
+        self.mixed_buckets = token_buckets(max_mixed_tokens, exact_token_buckets)
         self.max_num_seqs = max_num_seqs
         tokens = max(max_batch_size, max_mixed_tokens)
         seqs = max(max_batch_size, max_num_seqs)

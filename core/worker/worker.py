@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hookllm.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, text_config_of
-from hookllm.worker.cuda_graph import CudaGraphRunner
+from hookllm.worker.cuda_graph import CudaGraphRunner, speculating_buckets
 from hookllm.distributed import (
     check_pipeline_parallel, check_tensor_parallel, is_first_stage, is_last_stage, set_expert_parallel,
 )
@@ -219,19 +219,23 @@ class Worker:
             self.runner.stage = PipelineStage(capability(model, "pipeline_intermediate_count"),
                                               text_config_of(model_config.hf_config).hidden_size, self.dtype, self.device)
         if self.uses_cuda_graphs:
+            max_graph_batch = min(config.max_num_seqs, config.max_cuda_graph_batch_size)
+            speculative = config.speculative_config
+            speculating = ([] if speculative is None
+                           else speculating_buckets(max_graph_batch, speculative.disable_by_batch_size))
+            k = speculative.num_speculative_tokens if speculative is not None else 0
             self.runner.cuda_graphs = CudaGraphRunner(
                 model, text_config_of(model_config.hf_config).hidden_size, self.dtype, self.device,
-                max_batch_size=min(config.max_num_seqs, config.max_cuda_graph_batch_size),
+                max_batch_size=max_graph_batch,
                 max_blocks_per_seq=-(-model_config.max_model_len // config.block_size),
                 max_model_len=model_config.max_model_len, backend=self.attention_backend,
                 max_mixed_tokens=min(config.max_cuda_graph_tokens, config.max_num_batched_tokens),
                 max_num_seqs=config.max_num_seqs, num_kv_cache_groups=self.kv_cache_groups.num_groups,
                 lora_mapping=self.lora.mapping if self.lora is not None else None,
-                verify_tokens_per_seq=(config.speculative_config.num_speculative_tokens + 1
-                                       if config.speculative_config is not None else 0),
+                exact_token_buckets=[(k + 1) * b for b in speculating],
             )
             if isinstance(proposer, ModelProposer):
-                self._capture_proposer_graphs(proposer, self.runner.cuda_graphs)
+                self._capture_proposer_graphs(proposer, self.runner.cuda_graphs, speculating)
             phase("cuda_graphs")
         # Compiling on first use would land in the first requests' latency (hookllm.worker.warmup).
         if config.warmup and self.device.type == "cuda" and self.runner.stage is None:
@@ -241,9 +245,10 @@ class Worker:
         # parallelism every rank has its own.
         logger.debug("start-up: %s", ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_seconds.items()))
 
-    def _capture_proposer_graphs(self, proposer: ModelProposer, target: CudaGraphRunner) -> None:
-        """A model proposer's graphs, in the target's graph memory pool: its guessing steps and
-        (where it has a ``step_model``) its passes over the steps' tokens."""
+    def _capture_proposer_graphs(self, proposer: ModelProposer, target: CudaGraphRunner,
+                                 batch_buckets: list[int]) -> None:
+        """A model proposer's graphs, in the target's graph memory pool: its guessing steps (for
+        ``batch_buckets``) and, where it has a ``step_model``, its passes over the steps' tokens."""
         config = self.config
         step_model = proposer.step_model()
         if step_model is not None:
@@ -253,8 +258,9 @@ class Worker:
                 max_model_len=target.max_model_len, backend=self.attention_backend,
                 max_mixed_tokens=target.mixed_buckets[-1] if target.mixed_buckets else 0,
                 max_num_seqs=config.max_num_seqs, num_kv_cache_groups=self.kv_cache_groups.num_groups,
-                pool=target.pool, verify_tokens_per_seq=config.speculative_config.num_speculative_tokens + 1)
-        proposer.guess_graphs = GuessGraphs(proposer, config.speculative_config.num_speculative_tokens, target)
+                pool=target.pool, exact_token_buckets=target.mixed_buckets)
+        proposer.guess_graphs = GuessGraphs(proposer, config.speculative_config.num_speculative_tokens, target,
+                                            batch_buckets)
 
     def _make_proposer(self) -> Proposer:
         """``speculative_config``'s proposer: ``cls(config, context)``, a model proposer's with its
