@@ -325,13 +325,15 @@ def filter_thresholds(
 ) -> torch.Tensor:
     """Each row's smallest logit that its top-k, top-p and min-p filters keep (float32 ``[rows]``;
     -inf keeps all): the filters act on ``softmax(logits / T)`` and keep exactly the tokens whose
-    logit is at least the threshold, ties at the boundary included. The top token always stays.
+    logit is at least the threshold, ties at the boundary included. They chain as transformers'
+    do (top-k, then top-p over the renormalized top k, then min-p, which is relative to the top
+    probability and so unchanged by the renormalization). The top token always stays.
 
     ``top_k`` <= 0, ``top_p`` = 1 and ``min_p`` = 0 disable each (greedy rows get -inf).
     ``any_top_p`` and ``needed`` are host values (no device sync): whether any row has a top-p,
     and how many of each row's largest logits the filters can need. That is the largest
-    ``top_k`` when every row with a top-p also has a top-k (its nucleus, cut by its top-k, then
-    lies within them: no sort of the vocabulary), the vocabulary when some row's top-p stands
+    ``top_k`` when every row with a top-p also has a top-k (its nucleus then lies within them:
+    no sort of the vocabulary), the vocabulary when some row's top-p stands
     alone, and 0 when only min-p is asked for, which needs no ranking: ``p >= min_p * p_max``
     is ``logit >= max + T * log(min_p)``. (The Triton twin reads only whether ``needed`` is 0:
     it ranks without ``topk``.)"""
@@ -345,8 +347,11 @@ def filter_thresholds(
         k = torch.where(top_k > 0, top_k.clamp(max=values.shape[1]), values.shape[1])
         threshold = torch.where(top_k > 0, values.gather(1, (k - 1)[:, None]).squeeze(1), none)
         if any_top_p:
-            # The nucleus: the largest logits while the mass before each is below top_p.
-            log_total = torch.logsumexp(logits.float() / scale[:, None], dim=-1)
+            # The nucleus of what the top-k keeps (renormalized over it, as transformers' and vLLM's
+            # filters chain): its largest logits while the mass before each is below top_p. A row
+            # without a top-k has the whole vocabulary in ``values``.
+            scaled = torch.where(values >= threshold[:, None], values / scale[:, None], float("-inf"))
+            log_total = torch.logsumexp(scaled, dim=-1)
             probs = torch.exp(values / scale[:, None] - log_total[:, None])
             kept = ((probs.cumsum(dim=-1) - probs) < top_p[:, None]).sum(dim=-1).clamp(min=1)
             nucleus = values.gather(1, (kept - 1)[:, None]).squeeze(1)

@@ -12,12 +12,13 @@ columns each, hashing each token's noise from the row's key in registers (greedy
 and keeping a running best score per lane, instead of the torch version's hash passes over a ``[rows, vocab]`` int64
 tensor and its five passes (scale, softmax, divide, argmax) over the float32 scores.
 
-``filter_thresholds``: one program per row finds the smallest logit its top-k, top-p and min-p
-keep without sorting the row: two passes (lane maxima and mass, then the candidates above the
-k-th largest lane maximum), a sort of the candidates in registers, and an exact search over the
-floats' order-preserving integer keys for the rows whose candidates do not suffice. A nucleus
-alone on a flat row (most of the vocabulary) is found by programs over column ranges instead:
-rounds that narrow a bracket around it, then a gather and sort of the bracket's logits.
+``filter_thresholds``: one program per row finds the smallest logit its top-k, top-p (over the
+renormalized top k) and min-p keep without sorting the row: two passes (lane maxima and mass,
+then the candidates above the k-th largest lane maximum), a sort of the candidates in
+registers, and an exact search over the floats' order-preserving integer keys for the rows
+whose candidates do not suffice (with a pass for the top k's mass where a top-p needs it). A
+nucleus alone on a flat row (most of the vocabulary) is found by programs over column ranges
+instead: rounds that narrow a bracket around it, then a gather and sort of the bracket's logits.
 
 ``token_logprobs``: one program per row reads it once for the chosen token's logprob and rank
 (an online log-sum-exp and a count of the larger logits), where the torch version writes the
@@ -478,6 +479,9 @@ def _filter_thresholds_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
                         if TOP_P:
                             if top_p < 1.0:
                                 probs = tl.exp((values - top) / divisor)
+                                # The nucleus of what the top-k keeps: its mass, renormalized.
+                                if top_k > 0:
+                                    mass = tl.sum(tl.where(values >= threshold, probs, 0.0), axis=0)
                                 kept = tl.sum(((tl.cumsum(probs, axis=0) - probs) < top_p * mass).to(tl.int32),
                                               axis=0)
                                 kept = tl.maximum(kept, 1)
@@ -500,6 +504,14 @@ def _filter_thresholds_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
                                                               top_k.to(tl.float32), False, PIVOTS, SEARCH_LANES)
                         if TOP_P:
                             if top_p < 1.0:
+                                if top_k > 0:  # the nucleus of what the top-k keeps: its mass
+                                    lane_kept = tl.zeros([LANES], tl.float32)
+                                    for start in range(0, vocab, LANES):
+                                        cols = start + lanes
+                                        x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf"))
+                                        x = x.to(tl.float32)
+                                        lane_kept += tl.where(x >= threshold, tl.exp((x - top) / divisor), 0.0)
+                                    mass = tl.sum(lane_kept, axis=0)
                                 nucleus = _search_threshold(row_ptr, vocab, _order_key(neg_inf), _order_key(top),
                                                             top, divisor, top_p * mass, True, PIVOTS, SEARCH_LANES)
                                 threshold = tl.maximum(threshold, nucleus)

@@ -96,14 +96,14 @@ def test_filters_apply_per_row():
 
 
 def kept_by_sorting(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """The filters the slow way, as a mask: sort each row, keep the first ``top_k``, the prefix
-    while the mass before a token is below ``top_p``, the tokens of at least ``min_p`` times the
-    top probability, and always the top token."""
+    """The filters the slow way, as a mask: sort each row, keep the first ``top_k``, then of
+    those (renormalized) the prefix while the mass before a token is below ``top_p``, the tokens
+    of at least ``min_p`` times the top probability, and always the top token."""
     vocab = logits.shape[1]
     values, order = logits.sort(dim=-1, descending=True)
-    probs = values.softmax(dim=-1)
     ranks = torch.arange(vocab)[None, :]
     keep = ranks < torch.where(top_k > 0, top_k, vocab)[:, None]
+    probs = values.masked_fill(~keep, float("-inf")).softmax(dim=-1)
     keep &= ((probs.cumsum(dim=-1) - probs) < top_p[:, None]) | (top_p[:, None] >= 1.0)
     keep &= probs >= min_p[:, None] * probs[:, :1]
     keep[:, 0] = True
@@ -127,6 +127,28 @@ def test_filter_thresholds_keep_what_sorting_keeps(top_k, top_p, min_p):
                                   any_top_p=bool((p < 1).any()))
     want = kept_by_sorting(logits / 0.7, k, p, m)
     assert torch.equal(logits >= threshold[:, None], want)
+
+
+def test_top_p_takes_the_nucleus_of_what_top_k_keeps_as_transformers_does():
+    """p = (0.45, 0.35, 0.2), top-k 2, top-p 0.5: the top two renormalized are (0.5625, 0.4375),
+    whose nucleus is the first alone (the whole distribution's would keep both); transformers'
+    warpers chained on the same logits agree, on random rows with min-p too."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.tensor([[0.45, 0.35, 0.2]]).log()
+    one = torch.ones(1)
+    threshold = filter_thresholds(logits, one, torch.tensor([2]), torch.tensor([0.5]), torch.zeros(1), needed=2,
+                                  any_top_p=True)
+    assert (logits >= threshold[:, None]).tolist() == [[True, False, False]]
+    rows = torch.randn(3, 400, generator=torch.Generator().manual_seed(5)) * 2
+    for top_k, top_p, min_p in [(40, 0.6, 0.0), (10, 0.9, 0.0), (60, 0.8, 0.02)]:
+        warped = TopKLogitsWarper(top_k)(None, rows.clone())
+        warped = TopPLogitsWarper(top_p)(None, warped)
+        if min_p:
+            warped = MinPLogitsWarper(min_p)(None, warped)
+        threshold = filter_thresholds(rows, torch.ones(3), torch.full((3,), top_k), torch.full((3,), top_p),
+                                      torch.full((3,), min_p), needed=top_k, any_top_p=True)
+        assert torch.equal(rows >= threshold[:, None], warped > float("-inf"))
 
 
 def test_sampler_draws_only_the_filtered_tokens_of_each_row():
