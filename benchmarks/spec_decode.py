@@ -23,12 +23,12 @@ Runs, in one process on one GPU:
 3. the proposers' own cost per step: the n-gram lookup for 256 requests of 1,024 tokens each;
 4. (unless ``--no-model-proposers``) ``draft_model`` with a random draft of ``--draft-shape``
    and ``eagle3`` with a random EAGLE-3 head of the target's shape (saved in the published
-   format; draft vocabulary 32,000): their guesses are wrong (the forced tokens are no model's), so each gives batch 1 and batch
-   64 at k=4, the proposer's time per step (its pass over the step's tokens and its k guessing
-   steps, timed apart) and the output rate then; with the forced runs' step time at the same k,
-   the rate a proposer of that cost gives at each measured acceptance length (``projected``:
-   the tokens of a step over the forced run's step time plus the proposer's; at batch 1 the time
-   per output token is its inverse).
+   format; draft vocabulary 32,000): their guesses are wrong (the forced tokens are no model's),
+   so each gives batch 1 and batch 64 at k=4, the proposer's time per step (its pass over the
+   step's tokens and its k guessing steps, timed apart) and the output rate then; with the
+   forced runs' step time at the same k, the rate a proposer of that cost gives at each measured
+   acceptance length (``projected``: the tokens of a step over the forced run's step time plus
+   the proposer's; at batch 1 the time per output token is its inverse).
 
     python benchmarks/spec_decode.py --shape llama-3.1-8b --draft-shape llama-3.2-1b
 

@@ -18,11 +18,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hookllm.spec.draft_kv import GuessSteps
 from hookllm.worker.cuda_graph import CudaGraphRunner
-from hookllm.worker.forward_context import AttentionMetadata
 
 if TYPE_CHECKING:
-    from hookllm.spec.draft_kv import GuessSteps
     from hookllm.spec.proposer import ModelProposer
 
 
@@ -46,7 +45,6 @@ class GuessGraphs:
         self.slot_mapping = torch.full((num_steps, groups, batch), -1, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(groups, batch, max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(num_steps, batch, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
         self.guesses = torch.zeros(batch, num_steps, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture_all(target.pool)
@@ -62,15 +60,10 @@ class GuessGraphs:
         torch.cuda.synchronize()
 
     def _guess_all(self, bs: int) -> None:
-        tokens, state = self.tokens[:bs], self.state[:bs] if self.state is not None else None
-        block_tables = self.block_tables[:, :bs].unbind()
-        for step in range(self.num_steps):
-            metadata = AttentionMetadata(
-                slot_mapping=self.slot_mapping[step, :, :bs].unbind(), block_tables=block_tables,
-                seq_lens=self.seq_lens[step, :bs], query_start_loc=self.query_start_loc[:bs + 1], max_query_len=1,
-                max_seq_len=self.max_model_len, backend=self.backend)
-            tokens, state = self.proposer.guess(tokens, state, self.positions[step, :bs], metadata)
-            self.guesses[:bs, step] = tokens
+        steps = GuessSteps(self.positions[:, :bs], self.slot_mapping[:, :, :bs], self.block_tables[:, :bs],
+                           self.seq_lens[:, :bs], [self.max_model_len] * self.num_steps, self.backend)
+        state = self.state[:bs] if self.state is not None else None
+        self.guesses[:bs] = self.proposer.guess_eagerly(self.tokens[:bs], state, steps)
 
     def can_run(self, steps: GuessSteps) -> bool:
         return (steps.num_steps == self.num_steps and steps.positions.shape[1] <= self.buckets[-1]

@@ -160,6 +160,10 @@ class ModelProposer:
         and ``state`` (one replay where graphs are captured)."""
         if self.guess_graphs is not None and self.guess_graphs.can_run(steps):
             return self.guess_graphs.run(tokens, state, steps)
+        return self.guess_eagerly(tokens, state, steps)
+
+    def guess_eagerly(self, tokens: torch.Tensor, state: torch.Tensor | None, steps: GuessSteps) -> torch.Tensor:
+        """``chain_guesses`` without graphs (what the graphs capture)."""
         guessed = []
         for positions, metadata in steps:
             tokens, state = self.guess(tokens, state, positions, metadata)
